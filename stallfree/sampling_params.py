@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; mirrors the OpenAI/vLLM field names.
+
+    temperature 0 means greedy. Every bad value raises ValueError naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1 or None")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              "min_tokens", "must not exceed max_tokens")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "must be non-negative integers")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "must be > 0")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              "presence_penalty", "must be in [-2, 2]")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              "frequency_penalty", "must be in [-2, 2]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
