@@ -1,2 +1,21 @@
-from .llm import LLM
+"""stallfree: an LLM serving engine with chunked prefills and stall-free batching."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .llm import LLM
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; loading it lazily keeps the pure-Python scheduler and
+    # the CLI's argument parsing free of that import.
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'stallfree' has no attribute {name!r}")

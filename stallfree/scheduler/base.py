@@ -1,0 +1,238 @@
+"""What every policy shares: queues, KV accounting, preemption and the update step.
+
+A policy subclasses `Scheduler` and implements `_schedule(batch)`: it only
+decides which requests catch up (num_computed_tokens -> num_tokens) by how many
+tokens this iteration, using `_schedule_running` and `_try_admit`. Everything
+that must stay consistent whatever the policy (block tables, preemption by
+recompute, stop conditions, timestamps) lives here.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from ..request import Request, RequestStatus
+from .kv_cache import BlockManager
+from .output import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class Batch:
+    """The iteration being built: chunks by request id (in order) and the budget spent."""
+
+    token_budget: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def budget_left(self) -> int:
+        return self.token_budget - self.num_tokens
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        assert chunk.request_id not in self.chunks, f"{chunk.request_id!r} scheduled twice"
+        assert chunk.num_tokens <= self.budget_left, "chunk exceeds the token budget"
+        self.chunks[chunk.request_id] = chunk
+        self.num_tokens += chunk.num_tokens
+
+    def remove(self, request_id: str) -> None:
+        """Drops a chunk (its request was preempted) and gives its tokens back."""
+        chunk = self.chunks.pop(request_id, None)
+        if chunk is not None:
+            self.num_tokens -= chunk.num_tokens
+
+
+class Scheduler:
+    """Shared machinery; `schedule` delegates the choice of chunks to `_schedule`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+
+    # ---- requests -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {rid!r}: the prompt has {request.num_prompt_tokens} tokens "
+                             f"but max_model_len is {self.config.max_model_len}; it must be "
+                             f"shorter to leave room for at least one output token")
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {rid!r} is not new (status {request.status.value}, "
+                             f"{request.num_computed_tokens} tokens computed)")
+        self._check_fits(request)
+        self.waiting.append(request)
+        self._requests[rid] = request
+
+    def _check_fits(self, request: Request) -> None:
+        """Rejects a request the cache could never carry to its end.
+
+        Accepting one would livelock: it would be preempted (or refused
+        admission) forever. A request alone with every block free must be able
+        to reach its longest length, and its first chunk must be admissible
+        with the watermark kept free.
+        """
+        bm, rid = self.block_manager, request.request_id
+        max_output = self.config.max_model_len - request.num_prompt_tokens
+        if request.sampling_params.max_tokens is not None:
+            max_output = min(max_output, request.sampling_params.max_tokens)
+        # The last sampled token is never fed back, so it needs no KV slot.
+        max_cached = request.num_prompt_tokens + max_output - 1
+        need = bm.num_blocks_for(max_cached)
+        if need > bm.num_total_blocks:
+            raise ValueError(f"request {rid!r} may grow to {max_cached} cached tokens "
+                             f"({need} KV blocks) but the KV cache has only "
+                             f"{bm.num_total_blocks} blocks of {bm.block_size} tokens; lower "
+                             f"max_tokens or max_model_len, or enlarge the KV cache")
+        first = bm.num_blocks_for(min(max_cached, self.config.token_budget))
+        if first > bm.num_total_blocks - bm.num_watermark_blocks:
+            raise ValueError(f"request {rid!r}: a first chunk needs {first} KV blocks, more than "
+                             f"the {bm.num_total_blocks - bm.num_watermark_blocks} the cache "
+                             f"may fill on admission (watermark keeps "
+                             f"{bm.num_watermark_blocks} free)")
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stops a request wherever it is; None if it is unknown or already finished."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Ends a request (e.g. on a stop string); a no-op if it already finished."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one iteration --------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Admission only happens while budget is left after serving every
+        # running request, so each running request can always get a token.
+        assert len(self.running) <= self.config.token_budget, "more running requests than budget"
+        batch = Batch(self.config.token_budget)
+        self._schedule(batch)
+        for chunk in batch.chunks.values():
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
+        assert batch.num_tokens <= self.config.token_budget
+        assert len(self.running) <= self.config.max_num_seqs
+        return SchedulerOutput(list(batch.chunks.values()), batch.preempted)
+
+    def _schedule(self, batch: Batch) -> None:
+        """The policy: fill `batch` with chunks of running and waiting requests."""
+        raise NotImplementedError
+
+    def _schedule_running(self, batch: Batch, request: Request, num_tokens: int) -> bool:
+        """Schedules `num_tokens` of a running request, preempting from the tail for KV room.
+
+        Returns False if the request itself had to be preempted.
+        """
+        bm = self.block_manager
+        while not bm.can_allocate(request, num_tokens, use_watermark=False):
+            victim = self.running[-1]
+            self._preempt(batch, victim)
+            if victim is request:
+                return False
+        bm.allocate(request, num_tokens)
+        batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
+                                 bm.block_table(request.request_id)))
+        return True
+
+    def _try_admit(self, batch: Batch, num_tokens: int) -> bool:
+        """Moves the head of the waiting queue to running with a first chunk, if it fits."""
+        request = self.waiting[0]
+        if len(self.running) >= self.config.max_num_seqs or num_tokens > batch.budget_left:
+            return False
+        # The watermark leaves running requests room to grow before preempting.
+        if not self.block_manager.can_allocate(request, num_tokens, use_watermark=True):
+            return False
+        self.waiting.popleft()
+        self.block_manager.allocate(request, num_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
+                                 self.block_manager.block_table(request.request_id)))
+        return True
+
+    def _preempt(self, batch: Batch, request: Request) -> None:
+        """Preemption by recompute: drop the KV cache, requeue at the front, keep outputs."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        # Front of the queue: it was admitted before anything still waiting.
+        self.waiting.appendleft(request)
+        batch.remove(request.request_id)
+        batch.preempted.append(request.request_id)
+
+    # ---- after the executor ---------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               now: float) -> list[Request]:
+        """Applies one executed iteration; returns the requests that finished in it."""
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            # The server may abort (or a stop string finish) between schedule and update.
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"request {request.request_id!r} has "
+                                   f"{request.num_computed_tokens} computed tokens, the chunk "
+                                   f"starts at {chunk.start}: was this output applied twice?")
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            if request.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {request.request_id!r}, "
+                               f"whose chunk completes its sequence")
+            request.output_token_ids.append(sampled[request.request_id])
+            request.token_times.append(now)
+            status = self._stop_status(request)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        """Stop conditions checked after each sampled token (stop strings are the engine's)."""
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        # As in vLLM, stop tokens count once min_tokens tokens exist (the stop
+        # token included); a natural stop wins over hitting a length limit.
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,42 @@
+"""Sarathi-Serve's stall-free batching with chunked prefills (OSDI 2024)."""
+from __future__ import annotations
+
+from ..request import RequestStatus
+from .base import Batch, Scheduler
+
+
+class SarathiScheduler(Scheduler):
+    """Each iteration: every running decode, then partial prefill chunks, then new requests.
+
+    Decodes go first so that no prefill ever stalls them (the paper's
+    generation stall); prefills only use the budget the decodes leave, cut
+    into chunks, so every iteration costs about one budget's worth.
+    """
+
+    def _schedule(self, batch: Batch) -> None:
+        # (1) Every running decode, one token each. Iterate over a snapshot:
+        # making KV room may preempt requests from the tail of `running`.
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING and not request.is_prefill:
+                # Admission keeps len(running) <= token_budget, so this holds.
+                assert batch.budget_left >= 1, "token budget smaller than the running decodes"
+                self._schedule_running(batch, request, 1)
+
+        # (2) Chunks of partially prefilled running requests, oldest first.
+        for request in list(self.running):
+            if batch.budget_left == 0:
+                break
+            if (request.status is RequestStatus.RUNNING and request.is_prefill
+                    and request.request_id not in batch.chunks):
+                num_tokens = min(request.num_tokens_to_compute, batch.budget_left)
+                self._schedule_running(batch, request, num_tokens)
+
+        # (3) New (or preempted) requests in strict FCFS order. Skipped after a
+        # preemption: memory is short, and re-admitting the victim at once
+        # would only recompute what was just thrown away.
+        if batch.preempted:
+            return
+        while self.waiting and batch.budget_left > 0:
+            head = self.waiting[0]
+            if not self._try_admit(batch, min(head.num_tokens_to_compute, batch.budget_left)):
+                break  # no skipping: a large request at the head must not starve
