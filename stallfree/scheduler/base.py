@@ -2,7 +2,8 @@
 
 A policy subclasses `Scheduler` and implements `_schedule(batch)`: it only
 decides which requests catch up (num_computed_tokens -> num_tokens) by how many
-tokens this iteration, using `_schedule_running` and `_try_admit`. Everything
+tokens this iteration, using `_schedule_running`, `_try_admit` (a chunk) and
+`_try_admit_whole` (a whole prefill, for policies without chunking). Everything
 that must stay consistent whatever the policy (block tables, preemption by
 recompute, stop conditions, timestamps) lives here.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
@@ -25,10 +27,25 @@ class Batch:
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    stretched: bool = False  # token_budget was raised for one oversized whole prefill
 
     @property
     def budget_left(self) -> int:
         return self.token_budget - self.num_tokens
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(c.is_prefill for c in self.chunks.values())
+
+    def stretch(self, num_tokens: int) -> None:
+        """Raises this iteration's budget so exactly `num_tokens` more fit, and nothing after.
+
+        Only for a whole prefill longer than the budget itself, under a policy
+        that cannot chunk it: without this it could never run (vLLM avoids the
+        case by requiring max_num_batched_tokens >= max_model_len).
+        """
+        self.token_budget = max(self.token_budget, self.num_tokens + num_tokens)
+        self.stretched = True
 
     def add(self, chunk: ScheduledChunk) -> None:
         assert chunk.request_id not in self.chunks, f"{chunk.request_id!r} scheduled twice"
@@ -45,6 +62,10 @@ class Batch:
 
 class Scheduler:
     """Shared machinery; `schedule` delegates the choice of chunks to `_schedule`."""
+
+    # False for policies that only run whole prefills: a (re)computed sequence
+    # must then fit the KV cache in one go, and may exceed the token budget.
+    chunked_prefill: ClassVar[bool] = True
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -77,7 +98,8 @@ class Scheduler:
         Accepting one would livelock: it would be preempted (or refused
         admission) forever. A request alone with every block free must be able
         to reach its longest length, and its first chunk must be admissible
-        with the watermark kept free.
+        with the watermark kept free. Without chunking, the first "chunk" can
+        be a whole recompute after preemption: prompt plus every output so far.
         """
         bm, rid = self.block_manager, request.request_id
         max_output = self.config.max_model_len - request.num_prompt_tokens
@@ -91,7 +113,9 @@ class Scheduler:
                              f"({need} KV blocks) but the KV cache has only "
                              f"{bm.num_total_blocks} blocks of {bm.block_size} tokens; lower "
                              f"max_tokens or max_model_len, or enlarge the KV cache")
-        first = bm.num_blocks_for(min(max_cached, self.config.token_budget))
+        first_tokens = min(max_cached, self.config.token_budget) if self.chunked_prefill \
+            else max_cached
+        first = bm.num_blocks_for(first_tokens)
         if first > bm.num_total_blocks - bm.num_watermark_blocks:
             raise ValueError(f"request {rid!r}: a first chunk needs {first} KV blocks, more than "
                              f"the {bm.num_total_blocks - bm.num_watermark_blocks} the cache "
@@ -140,7 +164,12 @@ class Scheduler:
         for chunk in batch.chunks.values():
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
-        assert batch.num_tokens <= self.config.token_budget
+        if batch.stretched:
+            # The one documented excess: a lone whole prefill longer than the budget.
+            assert not self.chunked_prefill
+            assert sum(c.is_prefill for c in batch.chunks.values()) == 1
+        else:
+            assert batch.num_tokens <= self.config.token_budget
         assert len(self.running) <= self.config.max_num_seqs
         return SchedulerOutput(list(batch.chunks.values()), batch.preempted)
 
@@ -167,10 +196,7 @@ class Scheduler:
     def _try_admit(self, batch: Batch, num_tokens: int) -> bool:
         """Moves the head of the waiting queue to running with a first chunk, if it fits."""
         request = self.waiting[0]
-        if len(self.running) >= self.config.max_num_seqs or num_tokens > batch.budget_left:
-            return False
-        # The watermark leaves running requests room to grow before preempting.
-        if not self.block_manager.can_allocate(request, num_tokens, use_watermark=True):
+        if num_tokens > batch.budget_left or not self._can_admit(request, num_tokens):
             return False
         self.waiting.popleft()
         self.block_manager.allocate(request, num_tokens)
@@ -179,6 +205,29 @@ class Scheduler:
         batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
                                  self.block_manager.block_table(request.request_id)))
         return True
+
+    def _try_admit_whole(self, batch: Batch) -> bool:
+        """Admits the head of the waiting queue with its whole prefill (no chunking), if it fits.
+
+        A prefill longer than the token budget itself could never fit; it runs
+        as the only prefill of an iteration (the budget stretches for it) so
+        that it cannot starve.
+        """
+        request = self.waiting[0]
+        num_tokens = request.num_tokens_to_compute
+        if (num_tokens > self.config.token_budget and not batch.has_prefill
+                and self._can_admit(request, num_tokens)):
+            batch.stretch(num_tokens)
+        return self._try_admit(batch, num_tokens)
+
+    def _can_admit(self, request: Request, num_tokens: int) -> bool:
+        """Limits on admission other than the token budget; policies may add their own."""
+        # Capping running requests at the budget too keeps a decode of every
+        # one of them within one iteration, whatever the policy.
+        if len(self.running) >= min(self.config.max_num_seqs, self.config.token_budget):
+            return False
+        # The watermark leaves running requests room to grow before preempting.
+        return self.block_manager.can_allocate(request, num_tokens, use_watermark=True)
 
     def _preempt(self, batch: Batch, request: Request) -> None:
         """Preemption by recompute: drop the KV cache, requeue at the front, keep outputs."""

@@ -1,0 +1,105 @@
+"""Prefill and decode speed of the engine on the default model, beside this machine's floors.
+
+Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
+Every figure is a median of repeated measurements taken in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stallfree import LLM, SamplingParams
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_floor_gbps(device: torch.device) -> float:
+    """Read bandwidth of a large fp32 matrix-vector product (it streams the matrix once)."""
+    mat = torch.randn(8192, 8192, device=device)
+    vec = torch.randn(8192, device=device)
+    seconds = _median_time(lambda: torch.mv(mat, vec), 7)
+    return mat.numel() * 4 / seconds / 1e9
+
+
+def matmul_floor_gflops(device: torch.device, dtype: torch.dtype) -> float:
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    b = torch.randn(2048, 2048, device=device, dtype=dtype)
+    seconds = _median_time(lambda: a @ b, 5)
+    return 2 * 2048**3 / seconds / 1e9
+
+
+def _prompts(count: int, length: int, salt: int) -> list[list[int]]:
+    return [[(salt * 7919 + i * 104729 + j * 31) % 40000 + 100 for j in range(length)]
+            for i in range(count)]
+
+
+def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Median iteration time once `batch` requests with `context`-token prompts all decode."""
+    llm.reconfigure(token_budget=max(2048, batch), max_num_seqs=max(128, batch))
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    llm.generate(_prompts(batch, context, batch), params)
+    decodes = [r.end - r.start for r in llm.engine.iterations
+               if r.num_prefill_tokens == 0 and r.num_seqs == batch]
+    return statistics.median(decodes)
+
+
+def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
+    """A `prompt_len`-token prompt prefilled in chunks of `chunk` tokens (chunking overhead included)."""
+    llm.reconfigure(token_budget=chunk)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rates = []
+    for salt in range(3):
+        llm.engine.iterations.clear()
+        llm.generate(_prompts(1, prompt_len, 1000 + chunk + salt), params)
+        records = [r for r in llm.engine.iterations if r.num_prefill_tokens > 0]
+        rates.append(sum(r.num_prefill_tokens for r in records)
+                     / sum(r.end - r.start for r in records))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    args = parser.parse_args()
+    llm = LLM(max_model_len=4096)
+    engine = llm.engine
+    device, dtype = engine.device, engine.dtype
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    params_non_embedding = sum(p.numel() for n, p in engine.model.named_parameters()
+                               if "embed" not in n)
+    bandwidth = memory_floor_gbps(device)
+    matmul = matmul_floor_gflops(device, dtype)
+    decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
+    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}")
+    print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
+          f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
+
+    print("\nprefill (2048-token prompt in chunks)")
+    print("| chunk | tokens/s | GFLOP/s | % of matmul rate |\n|---|---|---|---|")
+    chunks = [64, 512, 2048] if args.quick else [64, 128, 256, 512, 1024, 2048]
+    for chunk in chunks:
+        rate = prefill_tokens_per_second(llm, chunk, 2048)
+        gflops = rate * 2 * params_non_embedding / 1e9
+        print(f"| {chunk} | {rate:.0f} | {gflops:.1f} | {100 * gflops / matmul:.0f}% |")
+
+    print("\ndecode step, 512-token contexts")
+    print("| batch | ms/step | tokens/s | x memory floor |\n|---|---|---|---|")
+    for batch in ([1, 8] if args.quick else [1, 8, 32, 64]):
+        seconds = decode_step_seconds(llm, batch, 512, steps=16)
+        print(f"| {batch} | {seconds * 1000:.1f} | {batch / seconds:.0f} | "
+              f"{seconds * 1000 / decode_floor_ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""LLMEngine: turns requests into tokens, one scheduler iteration per step()."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .detokenizer import IncrementalDetokenizer
+from .executor.runner import ModelRunner
+from .model.llama import kv_cache_bytes_per_token
+from .model.loader import load_model
+from .model.tokenizer import eos_token_ids, load_tokenizer
+from .outputs import CompletionOutput, RequestOutput, StepOutput
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import make_scheduler
+from .scheduler.kv_cache import BlockManager
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_CUDA_KV_FRACTION = 0.85  # of the memory free after loading weights
+
+
+@dataclass
+class IterationRecord:
+    """Timing of one engine iteration; the basis of TBT and pipeline analyses."""
+
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+
+
+@dataclass
+class _Group:
+    """A caller's request: n sequences generated from one prompt."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    stop_hit: list[bool] = field(default_factory=list)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        # This CPU has no fast bf16 path; accelerators do.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        self.runner: ModelRunner | None = None
+        self.reconfigure(config.scheduler, config.cache)
+
+    def reconfigure(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        """Swaps policy, limits or KV size without reloading weights (when idle)."""
+        if self.runner is not None and self.has_unfinished_requests():
+            raise RuntimeError("cannot reconfigure an engine with unfinished requests")
+        self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
+                                          cache=cache_config)
+        self.max_model_len = min(scheduler_config.max_model_len,
+                                 self.model_config.max_position_embeddings)
+        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        block_size = cache_config.block_size
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, block_size, cache_config.watermark)
+        self.scheduler = make_scheduler(scheduler_config, self.block_manager)
+        self.runner = None  # drop the old KV cache before allocating the new one
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
+                                  self.dtype, self.device, seed=self.config.seed)
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, tuple[str, int]] = {}
+        self.iterations: deque[IterationRecord] = deque(maxlen=100_000)
+
+    # ---- capacity -------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        block_bytes = kv_cache_bytes_per_token(self.model_config, self.dtype) * cache.block_size
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _CUDA_KV_FRACTION)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
+                             f"(one block of {cache.block_size} tokens takes {block_bytes} bytes)")
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, token_ids, child_params, arrival,
+                                    eos_token_ids=self.eos_token_ids))
+        group = _Group(text, token_ids, arrival, children,
+                       [IncrementalDetokenizer(self.tokenizer, params.stop,
+                                               params.include_stop_str_in_output)
+                        for _ in children], [False] * params.n)
+        for i, child in enumerate(children):
+            self.scheduler.add_request(child)
+            self._child_to_group[child.request_id] = (request_id, i)
+        self._groups[request_id] = group
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len}: it must be shorter to leave room for output")
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for child in group.children:
+            self.scheduler.abort_request(child.request_id)
+            self._child_to_group.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop -------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Runs one iteration; returns what each touched sequence gained."""
+        start = time.monotonic()
+        output = self.scheduler.schedule(start)
+        if output.is_empty:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                raise RuntimeError("scheduler admitted nothing although requests are waiting "
+                                   "and none is running")
+            return []
+        sampled = self.runner.execute(output)
+        end = time.monotonic()
+        self.scheduler.update(output, sampled, end)
+        self.iterations.append(IterationRecord(
+            start, end, output.num_prefill_tokens, output.num_decode_tokens,
+            len(output.chunks), len(output.preempted)))
+        return [self._emit(chunk.request, sampled.get(chunk.request.request_id))
+                for chunk in output.chunks if chunk.request.request_id in self._child_to_group]
+
+    def _emit(self, request: Request, token: int | None) -> StepOutput:
+        parent_id, index = self._child_to_group[request.request_id]
+        group = self._groups[parent_id]
+        detokenizer = group.detokenizers[index]
+        delta = ""
+        if token is not None and not group.stop_hit[index]:
+            delta, hit = detokenizer.append(token)
+            if hit:
+                group.stop_hit[index] = True
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id,
+                                                  RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            delta += detokenizer.flush()
+        new_ids = [token] if token is not None else []
+        return StepOutput(parent_id, index, new_ids, delta, request.finish_reason)
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        group = self._groups[request_id]
+        outputs = [CompletionOutput(i, detok.text, list(child.output_token_ids),
+                                    child.finish_reason, list(child.token_times),
+                                    child.num_preemptions)
+                   for i, (child, detok) in enumerate(zip(group.children, group.detokenizers))]
+        first = [c.first_scheduled_time for c in group.children if c.first_scheduled_time]
+        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs,
+                             group.arrival_time, min(first) if first else None)
+
+    def is_finished(self, request_id: str) -> bool:
+        return all(c.is_finished for c in self._groups[request_id].children)
+
+    def release(self, request_id: str) -> RequestOutput:
+        """Returns a finished request's output and forgets it."""
+        out = self.request_output(request_id)
+        for child in self._groups.pop(request_id).children:
+            self._child_to_group.pop(child.request_id, None)
+        return out

@@ -1,0 +1,106 @@
+"""Turns a batch of logits into one token per request, honouring each request's params."""
+from __future__ import annotations
+
+import torch
+
+from ..request import Request
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the 64-bit seed space
+
+
+def _step_seed(seed: int, step: int) -> int:
+    # A fresh generator per (seed, output index) makes a seeded request's tokens
+    # independent of what else shares its batch and of preemption/recompute.
+    return (seed * _SEED_MIX + step) % (2**63 - 1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        logits = logits.float().clone()
+        for row, req in enumerate(requests):
+            _apply_penalties(logits[row], req)
+            _block_early_stop(logits[row], req)
+        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            random_rows = (~greedy).nonzero().flatten()
+            picked = self._sample(logits[random_rows], [requests[i] for i in random_rows.tolist()])
+            tokens[random_rows] = picked
+        return tokens.tolist()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        logits = logits / temps
+        logits = _filter_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        if bool((min_ps > 0).any()):
+            keep = probs >= min_ps * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        # Exponential race (argmax of p / E, E ~ Exp(1)) samples from p without a
+        # CPU sync per row and lets each row own its random stream.
+        noise = torch.empty_like(probs)
+        shared = self._shared_generator(device)
+        for row, (req, p) in enumerate(zip(requests, params)):
+            gen = shared
+            if p.seed is not None:
+                gen = torch.Generator(device=device).manual_seed(
+                    _step_seed(p.seed, req.num_output_tokens))
+            noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if all(k >= vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    drop = ranks >= torch.tensor(top_ks, device=device).unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token once the mass of strictly better tokens already reaches top_p;
+    # the best token always survives.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= torch.tensor(top_ps, device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    if not p.has_penalties:
+        return
+    device = row.device
+    if p.repetition_penalty != 1.0:
+        # As in HF/CTRL: shrink positive logits, grow negative ones, prompt included.
+        seen = torch.tensor(sorted(set(req.all_token_ids)), device=device, dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        out = torch.tensor(req.output_token_ids, device=device, dtype=torch.long)
+        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _block_early_stop(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        return
+    stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+    if stops:
+        row[torch.tensor(sorted(stops), device=row.device)] = float("-inf")

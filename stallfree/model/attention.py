@@ -1,0 +1,169 @@
+"""Paged attention over a flat batch of prefill chunks followed by decodes, in plain torch.
+
+The KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim];
+token `p` of a request lives in slot `block_table[p // block_size] * block_size +
+p % block_size` of the flattened [num_blocks * block_size] view.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
+    num_prefill_tokens: int  # rows [0, num_prefill_tokens) are prefill chunks
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]  # keys a chunk sees: cached tokens before it + its own length
+    prefill_block_tables: list[torch.Tensor]  # int64 per chunk
+    decode_context_lens: torch.Tensor  # [B] int64, includes the new token
+    decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded
+    block_size: int
+    # Derived once per batch by `prepare()` and reused by every layer. Gathers copy
+    # whole blocks (contiguous runs), not single slots.
+    # Per chunk: the blocks covering its whole context and its causal mask, or None
+    # when the chunk has no cached prefix (it then attends to its own K/V directly).
+    prefill_gather_blocks: list[torch.Tensor | None] | None = field(default=None, repr=False)
+    prefill_masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
+    decode_gather_blocks: torch.Tensor | None = field(default=None, repr=False)  # [B, nb]
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, nb*bs] bool
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return int(self.decode_context_lens.shape[0])
+
+    @classmethod
+    def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int,
+              device: torch.device | str) -> AttentionMetadata:
+        """seqs in batch-row order: (start_pos, num_new_tokens, block_table).
+
+        start_pos is the number of tokens already cached. Entries with more than one
+        new token (prefill chunks) must precede single-token entries (decodes).
+        """
+        seen_decode = False
+        for i, (start, n, table) in enumerate(seqs):
+            if n < 1 or start < 0:
+                raise ValueError(f"seq {i}: need start_pos >= 0 and num_new_tokens >= 1, "
+                                 f"got ({start}, {n})")
+            if len(table) * block_size < start + n:
+                raise ValueError(f"seq {i}: block table of {len(table)} blocks cannot hold "
+                                 f"{start + n} tokens at block_size {block_size}")
+            if n == 1:
+                seen_decode = True
+            elif seen_decode:
+                raise ValueError("prefill chunks (num_new_tokens > 1) must come before decodes")
+
+        # Slot mapping, vectorised over tokens: pad all tables into one tensor and
+        # look each token's block up by (sequence, position // block_size).
+        max_blocks = max((len(t) for _, _, t in seqs), default=0)
+        tables = torch.zeros((len(seqs), max(max_blocks, 1)), dtype=torch.int64)
+        for i, (_, _, table) in enumerate(seqs):
+            tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
+        counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.int64)
+        starts = torch.tensor([s for s, _, _ in seqs], dtype=torch.int64)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+        first_row = torch.cumsum(counts, 0) - counts
+        pos = starts[seq_idx] + torch.arange(int(counts.sum())) - first_row[seq_idx]
+        slots = tables[seq_idx, pos // block_size] * block_size + pos % block_size
+
+        prefills = [(s, n, t) for s, n, t in seqs if n > 1]
+        decodes = [(s, n, t) for s, n, t in seqs if n == 1]
+        dec_blocks = max((len(t) for _, _, t in decodes), default=1)
+        meta = cls(
+            slot_mapping=slots.to(device),
+            num_prefill_tokens=sum(n for _, n, _ in prefills),
+            prefill_query_lens=[n for _, n, _ in prefills],
+            prefill_context_lens=[s + n for s, n, _ in prefills],
+            prefill_block_tables=[torch.as_tensor(t, dtype=torch.int64).to(device)
+                                  for _, _, t in prefills],
+            decode_context_lens=torch.tensor([s + 1 for s, _, _ in decodes],
+                                             dtype=torch.int64).to(device),
+            decode_block_tables=tables[len(prefills):, :dec_blocks].to(device),
+            block_size=block_size,
+        )
+        meta.prepare()
+        return meta
+
+    def prepare(self) -> None:
+        """Compute gather indices and masks (idempotent; called once per forward)."""
+        bs = self.block_size
+        if self.prefill_gather_blocks is None:
+            self.prefill_gather_blocks, self.prefill_masks = [], []
+            for qlen, ctx, table in zip(self.prefill_query_lens, self.prefill_context_lens,
+                                        self.prefill_block_tables):
+                if ctx == qlen:
+                    self.prefill_gather_blocks.append(None)
+                    self.prefill_masks.append(None)
+                    continue
+                self.prefill_gather_blocks.append(table[:-(-ctx // bs)])
+                # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
+                mask = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
+                self.prefill_masks.append(mask.tril(diagonal=ctx - qlen))
+        if self.decode_gather_blocks is None and self.num_decode_tokens > 0:
+            # Gather only the blocks the longest context needs, not the padded table width.
+            num_blocks = -(-int(self.decode_context_lens.max()) // bs)
+            self.decode_gather_blocks = self.decode_block_tables[:, :num_blocks]
+            key_pos = torch.arange(num_blocks * bs, device=self.decode_context_lens.device)
+            self.decode_mask = (key_pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: one layer [2, blocks, block_size, Hkv, D].
+
+    Writes k/v into the cache, returns attention output [T, Hq, D].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    meta.prepare()
+
+    outputs: list[torch.Tensor] = []
+    row = 0
+    for i, qlen in enumerate(meta.prefill_query_lens):
+        # [1, H, L, D] views for SDPA.
+        qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
+        blocks = meta.prefill_gather_blocks[i]
+        if blocks is None:
+            ki = k[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            ctx = meta.prefill_context_lens[i]
+            ki, vi = (_gather(kv_cache[j], blocks)[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      for j in (0, 1))
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i],
+                                                 scale=scale, enable_gqa=True)
+        outputs.append(out[0].transpose(0, 1))
+        row += qlen
+
+    num_decodes = q.shape[0] - row
+    if num_decodes > 0:
+        blocks = meta.decode_gather_blocks
+        kd, vd = (_gather(kv_cache[j], blocks.flatten())
+                  .view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+                  for j in (0, 1))
+        # One query per request: fold each KV head's group of query heads into the
+        # query-length axis, so GQA needs no K/V expansion and one mask row serves all.
+        group = q.shape[1] // num_kv_heads
+        qd = q[row:].reshape(num_decodes, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                             scale=scale)
+        outputs.append(out.reshape(num_decodes, -1, head_dim))
+
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] cache, [n] block ids -> [n * bs, Hkv, D].
+
+    index_select on the leading dim copies whole blocks and is several times faster
+    on CPU than advanced indexing or per-slot gathers.
+    """
+    return cache.index_select(0, blocks).flatten(0, 1)

@@ -1,0 +1,32 @@
+"""Tokenizer loading (offline only) for GGUF files and Hugging Face directories."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import ModelConfig
+from .loader import default_model_path
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """A transformers tokenizer, chat template included. None: the default model's."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+        # transformers rebuilds the tokenizer (and chat template) from GGUF metadata.
+        folder, name = os.path.split(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    raise FileNotFoundError(f"tokenizer path does not exist: {path}")
+
+
+def eos_token_ids(tokenizer: Any, config: ModelConfig) -> frozenset[int]:
+    """Every token that ends generation: the model config's eos ids plus the tokenizer's."""
+    ids = set(config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,348 @@
+"""The engine thread and its asyncio bridge.
+
+`LLMEngine` is synchronous and not thread-safe, so one dedicated thread owns it:
+it takes commands (add, abort, call) from a thread-safe queue between
+iterations, runs `engine.step()` while anything is unfinished, and hands each
+request's deltas to that request's asyncio queue with
+`loop.call_soon_threadsafe`. The HTTP event loop never touches the engine, and
+a slow client never slows the batch: its deltas just pile up in its own queue.
+
+Failure rules: a request the engine refuses (ValueError) fails alone; a full
+waiting queue refuses at once (`QueueFullError`); if the loop itself fails,
+every in-flight request and every later submission gets `EngineDeadError`, so
+nobody waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from ..outputs import RequestOutput, StepOutput
+from ..sampling_params import SamplingParams
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("stallfree.server")
+
+Prompt = str | list[int]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has failed (or shut down); nothing more will be generated."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds --max-waiting-requests sequences already."""
+
+
+@dataclass
+class _Tracked:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    prompt_len: int
+    prompt_counted: bool = False
+
+
+def _reply(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+           error: BaseException | None = None) -> None:
+    """Completes `fut` from the engine thread (unless its waiter gave up)."""
+    def complete() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    try:
+        loop.call_soon_threadsafe(complete)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class AsyncEngine:
+    """Owns an `LLMEngine` in a background thread; async methods for the event loop."""
+
+    def __init__(self, engine: Any, model_name: str = "model",
+                 max_waiting_requests: int | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be >= 1")
+        self.engine = engine
+        self.model_name = model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics or ServerMetrics(model_name)
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side ------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+
+    def _put(self, command: tuple) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped ({self.dead_reason})")
+            self._commands.put(command)
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          out: asyncio.Queue, arrival_time: float | None = None) -> None:
+        """Submits a request whose StepOutputs, then final RequestOutput, go to `out`.
+
+        Raises ValueError (bad request), QueueFullError or EngineDeadError.
+        Errors after acceptance arrive in `out` as exception objects.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._put(("add", request_id, prompt, params, loop, out, fut, arrival))
+        await fut
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV blocks (a no-op once it finished)."""
+        try:
+            self._put(("abort", request_id))
+        except EngineDeadError:
+            pass
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs fn(engine) on the engine thread between iterations."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._put(("call", fn, loop, fut))
+        return await fut
+
+    def generate(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                 arrival_time: float | None = None) -> "Generation":
+        return Generation(self, request_id, list(prompts), params, arrival_time)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            if self._dead is None and not self._stopping:
+                self._stopping = True
+                self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # ---- engine thread --------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._drain(block=not engine.has_unfinished_requests())
+                if self._stopping:
+                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    return
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._update_gauges()
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop
+            logger.exception("engine loop failed; failing every request")
+            self._fail_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"),
+                           cause=exc)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        engine = self.engine
+        if kind == "add":
+            _, rid, prompt, params, loop, out, fut, arrival = command
+            if fut.cancelled():
+                return
+            limit = self.max_waiting_requests
+            if limit is not None and engine.scheduler.num_waiting >= limit:
+                _reply(loop, fut, error=QueueFullError(
+                    f"the server is busy: {engine.scheduler.num_waiting} sequences are waiting "
+                    f"(--max-waiting-requests {limit}); retry later"))
+                return
+            try:
+                if isinstance(prompt, str):
+                    prompt = engine.tokenize(prompt)
+                engine.add_request(rid, prompt, params, arrival_time=arrival)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                _reply(loop, fut, error=exc)
+                return
+            self._tracked[rid] = _Tracked(loop, out, len(prompt))
+            _reply(loop, fut)
+        elif kind == "abort":
+            rid = command[1]
+            if self._tracked.pop(rid, None) is not None:
+                engine.abort_request(rid)
+                self.metrics.aborted.inc()
+        elif kind == "call":
+            _, fn, loop, fut = command
+            try:
+                result = fn(engine)
+            except Exception as exc:  # noqa: BLE001
+                _reply(loop, fut, error=exc)
+            else:
+                _reply(loop, fut, result)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _step(self) -> None:
+        engine, metrics = self.engine, self.metrics
+        last = engine.iterations[-1] if engine.iterations else None
+        outputs: list[StepOutput] = engine.step()
+        record = engine.iterations[-1] if engine.iterations else None
+        if record is not None and record is not last:
+            metrics.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+            if record.num_preempted:
+                metrics.preemptions.inc(record.num_preempted)
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        touched: dict[str, _Tracked] = {}
+        generated = 0
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if out.new_token_ids:
+                generated += len(out.new_token_ids)
+                if not tracked.prompt_counted:
+                    tracked.prompt_counted = True
+                    metrics.prompt_tokens.inc(tracked.prompt_len)
+            if out.new_token_ids or out.new_text or out.finish_reason:
+                deliveries.setdefault(tracked.loop, []).append((tracked.queue, out))
+            touched[out.request_id] = tracked
+        if generated:
+            metrics.generation_tokens.inc(generated)
+        for rid, tracked in touched.items():
+            if engine.is_finished(rid):
+                final: RequestOutput = engine.release(rid)
+                del self._tracked[rid]
+                deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
+                metrics.observe_finished(final)
+        self._deliver(deliveries)
+
+    @staticmethod
+    def _deliver(deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # loop closed
+                pass
+
+    def _update_gauges(self) -> None:
+        engine, metrics = self.engine, self.metrics
+        metrics.running.set(engine.scheduler.num_running)
+        metrics.waiting.set(engine.scheduler.num_waiting)
+        bm = engine.block_manager
+        metrics.kv_usage.set(bm.usage)
+        metrics.kv_free_blocks.set(bm.num_free_blocks)
+        metrics.kv_total_blocks.set(bm.num_total_blocks)
+
+    def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        with self._lock:
+            self._dead = cause or error
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, tracked in self._tracked.items():
+            deliveries.setdefault(tracked.loop, []).append((tracked.queue, error))
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken
+                pass
+        self._tracked.clear()
+        self._deliver(deliveries)
+        # Commands queued before _dead was set: answer them too.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _reply(command[4], command[6], error=error)
+            elif command[0] == "call":
+                _reply(command[2], command[3], error=error)
+        try:
+            self._update_gauges()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Generation:
+    """One API call's engine requests (one per prompt, each with n sequences).
+
+    `start()` submits them all (undoing the ones already submitted if one is
+    refused); `events()` yields (prompt_index, StepOutput | RequestOutput) in
+    the order the engine produced them. Leaving `events()` early (client gone,
+    task cancelled) aborts whatever is unfinished.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[Prompt],
+                 params: SamplingParams, arrival_time: float | None = None) -> None:
+        self.engine = engine
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = ([request_id] if len(prompts) == 1 else
+                            [f"{request_id}-{i}" for i in range(len(prompts))])
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finals: dict[int, RequestOutput] = {}
+        self._submitted: list[str] = []
+
+    async def start(self) -> None:
+        try:
+            for rid, prompt in zip(self.request_ids, self.prompts):
+                self._submitted.append(rid)  # abort it too if we are cancelled mid-add
+                await self.engine.add_request(rid, prompt, self.params, self.queue,
+                                              self.arrival_time)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for rid in self._submitted:
+            if self._index[rid] not in self.finals:
+                self.engine.abort(rid)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finals) == len(self.request_ids)
+
+    async def events(self) -> AsyncIterator[tuple[int, StepOutput | RequestOutput]]:
+        try:
+            while not self.done:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index = self._index[item.request_id]
+                if isinstance(item, RequestOutput):
+                    self.finals[index] = item
+                yield index, item
+        finally:
+            if not self.done:
+                self.abort()
+
+    async def results(self) -> list[RequestOutput]:
+        async for _ in self.events():
+            pass
+        return [self.finals[i] for i in range(len(self.request_ids))]

@@ -1,0 +1,86 @@
+"""Prometheus metrics, named as vLLM's (`vllm:` -> `stallfree:`) so dashboards carry over.
+
+Each `ServerMetrics` owns a private registry, so several servers (or tests) can
+live in one process. Observations come from the engine thread;
+prometheus-client is thread-safe.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM's buckets.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"stallfree:{name}", doc, labels, buckets=buckets,
+                             registry=registry).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"stallfree:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"stallfree:{name}", doc, labels, registry=registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time from arrival to the first token, in seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive tokens of a sequence, in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Time from arrival to the last token, in seconds.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time from arrival to first being scheduled, in seconds.",
+                                    _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens (prefill + decode) computed per iteration.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.running = gauge("num_requests_running", "Sequences running in the engine.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free.")
+        self.kv_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in all.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (once per prompt).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (by recompute).")
+        self._success = Counter("stallfree:request_success",
+                                "Sequences that finished, by finish reason.",
+                                labels + ["finished_reason"], registry=registry)
+        self.aborted = counter("request_aborted", "Requests aborted (e.g. client disconnects).")
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Latencies of a finished request (engine monotonic times)."""
+        ends = []
+        for i, seq in enumerate(out.outputs):
+            times = seq.token_times
+            if times:
+                if i == 0:
+                    self.ttft.observe(max(0.0, times[0] - out.arrival_time))
+                for a, b in zip(times, times[1:]):
+                    self.itl.observe(b - a)
+                ends.append(times[-1])
+            self._success.labels(self.model_name, seq.finish_reason or "unknown").inc()
+        if ends:
+            self.e2e.observe(max(0.0, max(ends) - out.arrival_time))
+        if out.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,269 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Field names and defaults follow OpenAI's; the extra sampling fields (top_k,
+min_p, repetition_penalty, ...) follow vLLM's. Ranges that pydantic can check
+are declared here so that the OpenAPI schema documents them; the rest is
+checked by `SamplingParams`, whose errors name the field.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..sampling_params import SamplingParams
+
+# OpenAI's own caps where it has them; they also keep one request from
+# swamping the engine (n sequences of up to max_model_len tokens each).
+MAX_N = 128
+MAX_STOP = 16
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UnsupportedFeature(ValueError):
+    """A valid OpenAI field this server does not implement (yet); answered with 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored as OpenAI and vLLM do; NaN/inf are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(OpenAIModel):
+    """Sampling fields shared by completions and chat completions."""
+
+    model: StrictStr | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[StrictFloat, Field(ge=0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions.
+    top_k: Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFeature("stream_options",
+                                     "stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise UnsupportedFeature("logit_bias", "logit_bias is not supported yet")
+
+    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise UnsupportedFeature("stop", "stop strings must not be empty")
+        kwargs: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed)
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1),
+                              ("min_p", 0.0), ("repetition_penalty", 1.0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            value = getattr(self, name)
+            kwargs[name] = default if value is None else value
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ---- /v1/completions ---------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: a string, a list of strings, of ids or of id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.logprobs is not None:
+            raise UnsupportedFeature("logprobs", "logprobs are not supported yet")
+        if self.suffix:
+            raise UnsupportedFeature("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFeature("best_of", "best_of other than n is not supported yet")
+        return self._sampling_params(self.max_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ---- /v1/chat/completions ----------------------------------------------------
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.logprobs or self.top_logprobs is not None:
+            raise UnsupportedFeature("logprobs", "logprobs are not supported yet")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedFeature("response_format",
+                                     f"response_format {self.response_format.type!r} "
+                                     "is not supported yet")
+        if self.tools:
+            raise UnsupportedFeature("tools", "tools are not supported yet")
+        # OpenAI's default: generate until the model stops (or max_model_len).
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._sampling_params(max_tokens)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+# ---- models, tokenizer -------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "stallfree"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

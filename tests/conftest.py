@@ -1,0 +1,30 @@
+"""Shared fixtures: the default model is loaded once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from stallfree import LLM
+
+    return LLM(max_model_len=4096)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' own model on the same GGUF weights: the correctness reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stallfree.model.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,231 @@
+"""Helpers for the server tests: a real server in a subprocess (or a thread), a fake engine."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import httpx
+
+from stallfree.outputs import CompletionOutput, RequestOutput, StepOutput
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m stallfree.server ARGS` on a free loopback port; stop() ends it by PID."""
+
+    def __init__(self, *args: str, startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="stallfree-server-", suffix=".log",
+                                               delete=False)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stallfree.server", "--host", "127.0.0.1",
+             "--port", str(self.port), "--uvicorn-log-level", "warning", *args],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+class ThreadServer:
+    """uvicorn serving `app` in a thread of this process (for fake-engine tests)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$')
+
+
+def scrape(url: str, headers: dict | None = None) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} plus {'name': value} summed over label sets."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        values[name + labels] = value
+        if labels:
+            values[name] = values.get(name, 0.0) + value
+    return values
+
+
+# ---- a fake engine: the LLMEngine surface the server uses, without a model ----------
+class FakeTokenizer:
+    """One token per character (ids are code points mod 256)."""
+
+    eos_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        return self(text + ("<assistant>" if add_generation_prompt else ""))["input_ids"]
+
+
+@dataclass
+class _FakeRequest:
+    prompt: list[int]
+    params: object
+    arrival: float
+    outputs: list[list[int]] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    times: list[list[float]] = field(default_factory=list)
+    first_scheduled: float | None = None
+
+
+class FakeEngine:
+    """Generates 'x' tokens, one per step per sequence; `gate` cleared = nothing runs.
+
+    With `gate` cleared, every request stays waiting (to fill the queue);
+    `fail` set makes the next step raise (an engine crash).
+    """
+
+    def __init__(self, step_delay: float = 0.01) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_config = SimpleNamespace(vocab_size=256)
+        self.max_model_len = 64
+        self.step_delay = step_delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = threading.Event()
+        self.iterations: deque = deque(maxlen=1000)
+        self._requests: dict[str, _FakeRequest] = {}
+        self.scheduler = SimpleNamespace(num_waiting=0, num_running=0)
+        self.block_manager = SimpleNamespace(usage=0.0, num_free_blocks=100, num_total_blocks=100)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def _count(self) -> None:
+        live = [r for r in self._requests.values() if any(f is None for f in r.finish)]
+        running = sum(1 for r in live if r.first_scheduled is not None)
+        n = lambda rs: sum(r.params.n for r in rs)  # noqa: E731
+        self.scheduler.num_running = n([r for r in live if r.first_scheduled is not None])
+        self.scheduler.num_waiting = n(live) - self.scheduler.num_running
+        self.block_manager.usage = min(1.0, running / 100)
+
+    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, but max_model_len is "
+                             f"{self.max_model_len}")
+        n = params.n
+        self._requests[request_id] = _FakeRequest(list(prompt), params,
+                                                  arrival_time or time.monotonic(),
+                                                  [[] for _ in range(n)], [None] * n,
+                                                  [[] for _ in range(n)])
+        self._count()
+
+    def abort_request(self, request_id) -> None:
+        self._requests.pop(request_id, None)
+        self._count()
+
+    def has_unfinished_requests(self) -> bool:
+        return any(any(f is None for f in r.finish) for r in self._requests.values())
+
+    def step(self) -> list[StepOutput]:
+        time.sleep(self.step_delay)
+        if self.fail.is_set():
+            raise RuntimeError("simulated engine failure")
+        if not self.gate.is_set():
+            return []
+        now = time.monotonic()
+        outs = []
+        for rid, r in self._requests.items():
+            if r.first_scheduled is None:
+                r.first_scheduled = now
+            for i in range(r.params.n):
+                if r.finish[i] is not None:
+                    continue
+                r.outputs[i].append(ord("x"))
+                r.times[i].append(now)
+                if len(r.outputs[i]) >= (r.params.max_tokens or 8):
+                    r.finish[i] = "length"
+                outs.append(StepOutput(rid, i, [ord("x")], "x", r.finish[i]))
+        self.iterations.append(SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=len(outs),
+                                               num_preempted=0))
+        self._count()
+        return outs
+
+    def is_finished(self, request_id) -> bool:
+        return all(f is not None for f in self._requests[request_id].finish)
+
+    def release(self, request_id) -> RequestOutput:
+        r = self._requests.pop(request_id)
+        self._count()
+        outs = [CompletionOutput(i, "x" * len(o), o, r.finish[i], r.times[i])
+                for i, o in enumerate(r.outputs)]
+        return RequestOutput(request_id, None, r.prompt, outs, r.arrival, r.first_scheduled)

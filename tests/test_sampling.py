@@ -1,0 +1,106 @@
+"""Sampling parameters, the sampler on synthetic logits, and seeded/stop behaviour end to end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stallfree import SamplingParams
+from stallfree.executor.sampler import Sampler
+from stallfree.request import Request
+
+
+def _req(params: SamplingParams, outputs: list[int] | None = None, prompt=(1, 2, 3)) -> Request:
+    r = Request("r", list(prompt), params, 0.0, eos_token_ids=frozenset({0}))
+    r.output_token_ids = list(outputs or [])
+    return r
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 0.0), ("top_p", 2), ("top_k", -5), ("min_p", 1.5),
+    ("max_tokens", 0), ("max_tokens", -3), ("n", 0), ("seed", "x"), ("stop", [""]),
+    ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -2.5),
+    ("stop_token_ids", [-1]), ("min_tokens", -1), ("temperature", float("nan")),
+])
+def test_bad_parameters_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    best = logits.argmax(dim=-1).tolist()
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=1, top_k=1)),
+            _req(SamplingParams(temperature=1, top_p=1e-6)),
+            _req(SamplingParams(temperature=1, min_p=1.0))]
+    assert Sampler()(logits, reqs) == best
+
+
+def test_top_k_only_draws_from_the_top_k():
+    logits = torch.arange(20, dtype=torch.float32).repeat(200, 1)
+    reqs = [_req(SamplingParams(temperature=5.0, top_k=3)) for _ in range(200)]
+    drawn = set(Sampler(seed=1)(logits, reqs))
+    assert drawn <= {17, 18, 19} and len(drawn) > 1
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(300, 1)
+    drawn = set(Sampler(seed=2)(logits, [_req(SamplingParams(top_p=0.7)) for _ in range(300)]))
+    assert drawn == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_their_batch():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = Sampler(seed=7)(logits[1:2], [_req(seeded)])
+    batched = Sampler(seed=9)(logits, [_req(SamplingParams()), _req(seeded), _req(SamplingParams())])
+    assert alone[0] == batched[1]
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
+    # Token 1 was already generated, so a frequency penalty hands the win to token 2.
+    assert Sampler()(logits, [_req(SamplingParams(temperature=0, frequency_penalty=1.0),
+                                   outputs=[1])]) == [2]
+    assert Sampler()(logits, [_req(SamplingParams(temperature=0, repetition_penalty=2.0),
+                                   prompt=[1])]) == [2]
+    eos_best = torch.tensor([[9.0, 1.0, 0.5, 0.1]])  # token 0 is eos here
+    assert Sampler()(eos_best, [_req(SamplingParams(temperature=0, min_tokens=2))]) == [1]
+    assert Sampler()(eos_best, [_req(SamplingParams(temperature=0))]) == [0]
+
+
+def test_seeded_generation_is_reproducible(default_llm):
+    default_llm.reconfigure(token_budget=512, kv_cache_memory=None)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
+    first = default_llm.generate(["Tell me a story about a cat."], params)[0].token_ids
+    crowd = ["Hello there", "List three fruits:", "Tell me a story about a cat."]
+    again = default_llm.generate(crowd, params)[2].token_ids
+    other = default_llm.generate(["Tell me a story about a cat."],
+                                 SamplingParams(temperature=0.9, top_p=0.95, seed=99,
+                                                max_tokens=16))[0].token_ids
+    assert first == again
+    assert first != other
+
+
+def test_n_sequences_and_stop_strings(default_llm):
+    default_llm.reconfigure(token_budget=512, kv_cache_memory=None)
+    out = default_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=1.0, n=3, seed=5,
+                                                               max_tokens=8))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) > 0 for o in out.outputs)
+    full = default_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20))[0]
+    assert " 7" in full.text
+    stopped = default_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20,
+                                                                  stop=[" 7"]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index(" 7")]
+
+
+def test_bad_prompts_raise_clear_errors(default_llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        default_llm.generate([[5] * 5000], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        default_llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="token ids"):
+        default_llm.generate([[10**9]], SamplingParams(max_tokens=4))
+    assert not default_llm.engine.has_unfinished_requests()
