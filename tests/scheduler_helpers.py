@@ -25,6 +25,9 @@ def make_request(rid: str, prompt_len: int, max_tokens: int | None = 16, arrival
                    SamplingParams(max_tokens=max_tokens, **params), arrival, eos_token_ids=eos)
 
 
+TOKEN = 7  # what the fake model samples unless a test says otherwise
+
+
 def new_scheduler(policy: str, budget: int = 16, max_num_seqs: int = 8, max_model_len: int = 128,
                   num_blocks: int = 64, block_size: int = 4, watermark: float = 0.0) -> Scheduler:
     config = SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=max_num_seqs,
@@ -33,7 +36,7 @@ def new_scheduler(policy: str, budget: int = 16, max_num_seqs: int = 8, max_mode
 
 
 def step(sched: Scheduler, now: float = 0.0,
-         token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+         token: int = TOKEN) -> tuple[SchedulerOutput, list[Request]]:
     """One iteration with a fake executor that samples `token` for every finished chunk."""
     out = sched.schedule(now)
     sampled = {c.request_id: token for c in out.chunks if c.samples}

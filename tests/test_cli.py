@@ -26,3 +26,10 @@ def test_bad_flag_value_is_a_clear_error():
     proc = _run("generate", "--temperature", "-1", "hi")
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_under_the_vllm_policy():
+    proc = _run("generate", "--json", "--policy", "vllm", "--max-tokens", "4", "--ignore-eos",
+                "Water boils at")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 4

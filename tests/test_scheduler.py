@@ -10,47 +10,17 @@ import pytest
 
 
 from stallfree.config import SchedulerConfig
-from stallfree.request import Request, RequestStatus
-from stallfree.scheduler import (BlockManager, SarathiScheduler, SchedulerOutput,
-                                 make_scheduler)
+from stallfree.request import RequestStatus
+from stallfree.scheduler import (BlockManager, SarathiScheduler, make_scheduler)
 from stallfree.scheduler.base import Batch
 from stallfree.scheduler.output import ScheduledChunk
 
-from scheduler_helpers import make_request
+from scheduler_helpers import TOKEN, make_request, new_scheduler, run_until_done, shape, step
 
-TOKEN = 7  # what the fake model always samples
-
-
-def make_scheduler_for_test(budget: int = 16, max_num_seqs: int = 8, max_model_len: int = 128,
-                            num_blocks: int = 64, block_size: int = 4,
-                            watermark: float = 0.0) -> SarathiScheduler:
-    config = SchedulerConfig(token_budget=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len)
-    sched = make_scheduler(config, BlockManager(num_blocks, block_size, watermark))
+def make_scheduler_for_test(**kwargs) -> SarathiScheduler:
+    sched = new_scheduler("sarathi", **kwargs)
     assert isinstance(sched, SarathiScheduler)
     return sched
-
-
-def step(sched, now: float = 0.0, token: int = TOKEN) -> tuple[SchedulerOutput, list[Request]]:
-    """One iteration with a fake executor that samples `token` for every finished chunk."""
-    out = sched.schedule(now)
-    sampled = {c.request_id: token for c in out.chunks if c.samples}
-    finished = sched.update(out, sampled, now)
-    sched.block_manager.check_invariants()
-    return out, finished
-
-
-def shape(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(c.request_id, c.start, c.num_tokens) for c in out.chunks]
-
-
-def run_until_done(sched, limit: int = 1000) -> list[Request]:
-    finished = []
-    for i in range(limit):
-        if not sched.has_unfinished_requests():
-            return finished
-        finished += step(sched, float(i))[1]
-    raise AssertionError("scheduler did not finish")
 
 
 # ---- stall-free batching -----------------------------------------------------
