@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    from .bench.cli import add_bench_args
+    from .bench.convert import add_convert_args
+
+    add_bench_args(sub)
+    add_convert_args(sub)
     return parser
 
 
@@ -100,6 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            from .bench.cli import run_bench
+
+            return run_bench(args)
+        if args.command == "convert":
+            from .bench.convert import run_convert
+
+            return run_convert(args)
         if args.command == "serve":
             from .server import run_server
 

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -265,6 +265,40 @@ def _usage(finals: list[RequestOutput]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+def _stream(gen: Any, preamble: list[dict], to_chunk: Callable[[int, StepOutput], dict],
+            usage_head: dict | None) -> Response:
+    """SSE body shared by both endpoints: preamble chunks, one chunk per step output,
+    an optional usage chunk, then [DONE]. A client that leaves aborts the request."""
+    async def events() -> AsyncIterator[str]:
+        try:
+            for item in preamble:
+                yield _sse(item)
+            async for i, item in gen.events():
+                if isinstance(item, StepOutput):
+                    yield _sse(to_chunk(i, item))
+            if usage_head is not None:
+                finals = list(gen.finals.values())
+                yield _sse({**usage_head, "choices": [], "usage": _usage(finals),
+                            "metrics": _request_metrics(finals)})
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("stream %s failed: %s", getattr(gen, "request_id", "?"), exc)
+            yield _stream_error(exc)
+        finally:
+            if not gen.done:  # the client left (or the stream was closed) early
+                gen.abort()
+        yield "data: [DONE]\n\n"
+
+    return _SSEResponse(events(), media_type="text/event-stream")
+
+
+def _request_metrics(finals: list[RequestOutput]) -> dict[str, float | int | None]:
+    """Server-side timings a benchmark client cannot see (an extension field)."""
+    delays = [f.first_scheduled_time - f.arrival_time for f in finals
+              if f.first_scheduled_time is not None]
+    return {"scheduling_delay": max(delays) if delays else None,
+            "num_preemptions": sum(o.num_preemptions for f in finals for o in f.outputs)}
+
+
 def _stream_error(exc: BaseException) -> str:
     if isinstance(exc, EngineDeadError):
         body = {"message": str(exc), "type": "server_error", "param": None, "code": "engine_dead"}
@@ -342,31 +376,13 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
                                  "finish_reason": finish}], "usage": None}
 
         if body.stream:
-            include_usage = body.include_usage
-
-            async def events() -> AsyncIterator[str]:
-                try:
-                    if echo is not None:
-                        for i, text in enumerate(echo):
-                            for j in range(n):
-                                yield _sse(chunk(i * n + j, text, None))
-                    async for i, item in gen.events():
-                        if isinstance(item, StepOutput):
-                            yield _sse(chunk(i * n + item.index, item.new_text,
-                                             item.finish_reason))
-                    if include_usage:
-                        yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [],
-                                    "usage": _usage(list(gen.finals.values()))})
-                except Exception as exc:  # noqa: BLE001
-                    logger.warning("completion stream %s failed: %s", cid, exc)
-                    yield _stream_error(exc)
-                finally:
-                    if not gen.done:  # the client left (or the stream was closed) early
-                        gen.abort()
-                yield "data: [DONE]\n\n"
-
-            return _SSEResponse(events(), media_type="text/event-stream")
+            echoed = [chunk(i * n + j, text, None) for i, text in enumerate(echo or [])
+                      for j in range(n)]
+            return _stream(gen, echoed,
+                           lambda i, item: chunk(i * n + item.index, item.new_text,
+                                                 item.finish_reason),
+                           {"id": cid, "object": "text_completion", "created": created,
+                            "model": model} if body.include_usage else None)
 
         try:
             finals = await _unless_disconnected(raw, gen.results())
@@ -404,29 +420,12 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
                     "usage": None}
 
         if body.stream:
-            include_usage = body.include_usage
-
-            async def events() -> AsyncIterator[str]:
-                try:
-                    for j in range(n):
-                        yield _sse(chunk(j, {"role": "assistant", "content": ""}, None))
-                    async for _, item in gen.events():
-                        if isinstance(item, StepOutput):
-                            delta = {"content": item.new_text} if item.new_text else {}
-                            yield _sse(chunk(item.index, delta, item.finish_reason))
-                    if include_usage:
-                        yield _sse({"id": cid, "object": "chat.completion.chunk",
-                                    "created": created, "model": model, "choices": [],
-                                    "usage": _usage(list(gen.finals.values()))})
-                except Exception as exc:  # noqa: BLE001
-                    logger.warning("chat stream %s failed: %s", cid, exc)
-                    yield _stream_error(exc)
-                finally:
-                    if not gen.done:  # the client left (or the stream was closed) early
-                        gen.abort()
-                yield "data: [DONE]\n\n"
-
-            return _SSEResponse(events(), media_type="text/event-stream")
+            roles = [chunk(j, {"role": "assistant", "content": ""}, None) for j in range(n)]
+            return _stream(gen, roles,
+                           lambda _, item: chunk(item.index, {"content": item.new_text}
+                                                 if item.new_text else {}, item.finish_reason),
+                           {"id": cid, "object": "chat.completion.chunk", "created": created,
+                            "model": model} if body.include_usage else None)
 
         try:
             finals = await _unless_disconnected(raw, gen.results())

@@ -1,0 +1,279 @@
+"""Async streaming client over the OpenAI completions API that times every output token.
+
+Token counting (one SSE chunk may carry several tokens, or none):
+
+1. Every request asks for `stream_options: {include_usage: true,
+   continuous_usage_stats: true}`. vLLM then puts the cumulative
+   `usage.completion_tokens` in *every* chunk: the difference between two
+   chunks is the exact number of tokens the later one carried (0 or more).
+2. A server without continuous usage (stallfree, llama.cpp's server; unknown
+   stream_options fields are ignored by both) sends one chunk per token, so a
+   chunk with choices counts as one token. A last chunk with empty text and a
+   finish_reason is ambiguous (llama.cpp's closing chunk carries no token, a
+   stallfree token may decode to no text): it counts only if the final usage
+   says one token is still unaccounted for.
+3. The final usage chunk (`include_usage`) is the authority on the number of
+   output tokens. If the chunks still disagree with it (a server that batches
+   tokens into chunks without continuous usage), the request keeps its chunk
+   times (one per chunk) and is flagged `token_count_exact = False`; the report
+   counts such requests, since their TBT is then per chunk, not per token.
+
+Tokens that arrive in one chunk share its arrival time: the client sees them
+at once, so the gaps between them are 0 (this is what a user experiences).
+
+Times are `time.perf_counter()` seconds relative to the start of the run.
+The run is bounded in count (the workload) and in time (`max_duration`):
+requests not sent by then are failed as "not sent", requests still streaming
+are cancelled and failed, keeping what they received.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import httpx
+
+from .workload import RequestSpec
+
+
+@dataclass
+class ClientConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str | None = None
+    endpoint: str = "/v1/completions"
+    api_key: str | None = None
+    ignore_eos: bool = True  # so every request generates its trace output length
+    ban_token_ids: list[int] = field(default_factory=list)  # logit_bias -100 (llama.cpp)
+    continuous_usage: bool = True
+    temperature: float = 0.0
+    request_timeout: float = 3600.0  # seconds for one request, first byte to last
+    max_duration: float | None = None  # seconds for the whole run
+    max_concurrency: int | None = None  # requests in flight at once (None: unbounded)
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    @property
+    def url(self) -> str:
+        base = self.base_url.rstrip("/")
+        if base.endswith("/v1") and self.endpoint.startswith("/v1/"):
+            base = base[:-3]
+        return base + self.endpoint
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt_len: int
+    expected_output_len: int
+    scheduled_time: float  # intended arrival (s after start)
+    send_time: float | None = None  # actually sent (s after start); None if never sent
+    chunk_times: list[float] = field(default_factory=list)  # chunks that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of them
+    output_len: int = 0
+    success: bool = False
+    error: str | None = None
+    token_count_exact: bool = True
+    scheduling_delay: float | None = None  # seconds, when the server reports it
+    usage_prompt_tokens: int | None = None
+
+    @property
+    def token_times(self) -> list[float]:
+        """Arrival time of every output token (tokens of one chunk share its time)."""
+        return [t for t, n in zip(self.chunk_times, self.chunk_tokens) for _ in range(n)]
+
+    @property
+    def ttft(self) -> float | None:
+        if self.send_time is None or not self.chunk_times:
+            return None
+        return self.chunk_times[0] - self.send_time
+
+    @property
+    def latency(self) -> float | None:
+        if self.send_time is None or not self.chunk_times:
+            return None
+        return self.chunk_times[-1] - self.send_time
+
+    @property
+    def itl(self) -> list[float]:
+        """vLLM's ITL: gaps between consecutive chunks."""
+        return [b - a for a, b in pairwise(self.chunk_times)]
+
+    @property
+    def tbt(self) -> list[float]:
+        """Every gap between consecutive output tokens (the first token excluded)."""
+        return [b - a for a, b in pairwise(self.token_times)]
+
+
+@dataclass
+class RunResult:
+    results: list[RequestResult]
+    duration: float  # first send to last response (s)
+    start_unix: float  # wall clock at the start, for the report
+
+
+class _Stream:
+    """Accumulates one response's chunks (see the module docstring for the rules)."""
+
+    def __init__(self, result: RequestResult) -> None:
+        self.r = result
+        self.cum_usage: int | None = None  # last cumulative completion_tokens seen
+        self.ambiguous_time: float | None = None  # an empty closing chunk, maybe a token
+        self.final_usage: dict[str, Any] | None = None
+
+    def chunk(self, data: dict[str, Any], now: float) -> None:
+        r = self.r
+        if isinstance(data.get("error"), (dict, str)):
+            err = data["error"]
+            raise _StreamError(err.get("message", str(err)) if isinstance(err, dict) else err)
+        ext = data.get("metrics")
+        if isinstance(ext, dict) and ext.get("scheduling_delay") is not None:
+            r.scheduling_delay = float(ext["scheduling_delay"])
+        usage = data.get("usage")
+        cum = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        choices = data.get("choices") or []
+        if not choices:
+            if isinstance(usage, dict):
+                self.final_usage = usage
+            return
+        if cum is not None:  # continuous usage: exact tokens in this chunk
+            n = cum - (self.cum_usage or 0)
+            self.cum_usage = cum
+            if n > 0:
+                r.chunk_times.append(now)
+                r.chunk_tokens.append(n)
+            return
+        choice = choices[0]
+        text = choice.get("text")
+        if text is None:  # chat-style chunk
+            text = (choice.get("delta") or {}).get("content") or ""
+        if not text and choice.get("finish_reason") is not None and r.chunk_times:
+            self.ambiguous_time = now
+            return
+        r.chunk_times.append(now)
+        r.chunk_tokens.append(1)
+
+    def finish(self) -> None:
+        r = self.r
+        counted = sum(r.chunk_tokens)
+        usage = self.final_usage
+        reported = usage.get("completion_tokens") if usage else None
+        if usage and usage.get("prompt_tokens") is not None:
+            r.usage_prompt_tokens = int(usage["prompt_tokens"])
+        if reported is None and self.cum_usage is not None:
+            reported = self.cum_usage
+        if self.ambiguous_time is not None and reported == counted + 1:
+            r.chunk_times.append(self.ambiguous_time)
+            r.chunk_tokens.append(1)
+            counted += 1
+        if reported is not None:
+            r.output_len = int(reported)
+            r.token_count_exact = counted == r.output_len
+        else:
+            r.output_len = counted
+
+
+class _StreamError(Exception):
+    pass
+
+
+def _body(spec: RequestSpec, cfg: ClientConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {"include_usage": True}
+    if cfg.continuous_usage:
+        options["continuous_usage_stats"] = True
+    body: dict[str, Any] = {"prompt": spec.prompt_token_ids, "max_tokens": spec.output_len,
+                            "stream": True, "stream_options": options,
+                            "temperature": cfg.temperature}
+    if cfg.model:
+        body["model"] = cfg.model
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.ban_token_ids:
+        body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
+    body.update(cfg.extra_body)
+    return body
+
+
+async def _one(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, t0: float,
+               result: RequestResult, slots: asyncio.Semaphore | None) -> None:
+    body = _body(spec, cfg)
+    stream = _Stream(result)
+    try:
+        if slots is not None:
+            await slots.acquire()
+        try:
+            result.send_time = time.perf_counter() - t0
+            async with client.stream("POST", cfg.url, json=body,
+                                     timeout=cfg.request_timeout) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise _StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+                async for line in resp.aiter_lines():
+                    now = time.perf_counter() - t0
+                    line = line.strip()
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments, event names
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    stream.chunk(json.loads(payload), now)
+        finally:
+            if slots is not None:
+                slots.release()
+        stream.finish()
+        result.success = result.output_len > 0 and bool(result.chunk_times)
+        if not result.success:
+            result.error = "no output tokens"
+    except asyncio.CancelledError:
+        stream.finish()
+        result.error = "cancelled at the time limit"
+    except (_StreamError, httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        stream.finish()
+        result.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StreamError) \
+            else str(exc)
+
+
+async def run_async(specs: list[RequestSpec], cfg: ClientConfig) -> RunResult:
+    """Sends every request at its arrival time and waits for all (within max_duration)."""
+    from tqdm import tqdm
+
+    results = [RequestResult(s.index, s.prompt_len, s.output_len, s.arrival) for s in specs]
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = tqdm(total=len(specs), disable=not cfg.progress, unit="req", dynamic_ncols=True)
+    start_unix = time.time()
+    t0 = time.perf_counter()
+    deadline = cfg.max_duration
+    tasks: list[asyncio.Task] = []
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=cfg.request_timeout,
+                                 trust_env=False) as client:
+        for spec, result in zip(specs, results):
+            if deadline is not None and spec.arrival >= deadline:
+                result.error = "not sent before the time limit"
+                bar.update(1)
+                continue
+            delay = spec.arrival - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(_one(client, spec, cfg, t0, result, slots))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
+        if tasks:
+            left = None if deadline is None else max(0.0, deadline - (time.perf_counter() - t0))
+            _, pending = await asyncio.wait(tasks, timeout=left)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    bar.close()
+    ends = [r.chunk_times[-1] for r in results if r.chunk_times]
+    sends = [r.send_time for r in results if r.send_time is not None]
+    duration = (max(ends) - min(sends)) if ends and sends else time.perf_counter() - t0
+    return RunResult(results, duration, start_unix)
+
+
+def run(specs: list[RequestSpec], cfg: ClientConfig) -> RunResult:
+    return asyncio.run(run_async(specs, cfg))

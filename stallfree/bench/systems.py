@@ -1,0 +1,128 @@
+"""Systems under test: a server command started on a free loopback port, stopped by PID.
+
+A `System` is a label plus either a URL of a running server or a command
+(with `{port}` where the port goes). Our own server's configurations
+(`--policy sarathi,vllm --token-budget 256,512`) become commands of
+`python -m stallfree.server`, one per (policy, budget) pair.
+
+The server runs in a new session (process group) so that a server which
+forks workers (vLLM's engine core) can be cleaned up completely: stop()
+sends SIGTERM to the PID it started, waits, then SIGKILLs whatever is left
+of that process group, which only holds processes it started.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class System:
+    label: str
+    base_url: str | None = None  # a server already running
+    command: list[str] | None = None  # start this ({port} substituted) instead
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stallfree_systems(policies: list[str], budgets: list[int], extra_args: list[str],
+                      max_model_len: int | None = None, model: str | None = None) -> list[System]:
+    """Our server for every (policy, token budget) pair."""
+    systems = []
+    for policy, budget in itertools.product(policies, budgets):
+        cmd = [sys.executable, "-m", "stallfree.server", *([model] if model else []),
+               "--host", "127.0.0.1", "--port", "{port}", "--policy", policy,
+               "--token-budget", str(budget), "--uvicorn-log-level", "warning"]
+        if max_model_len is not None and "--max-model-len" not in extra_args:
+            cmd += ["--max-model-len", str(max_model_len)]
+        systems.append(System(f"stallfree-{policy}-{budget}", command=cmd + list(extra_args),
+                              env={"HF_HUB_OFFLINE": "1"}))
+    return systems
+
+
+def command_system(command: str, label: str | None = None) -> System:
+    """A peer server from a shell-like command line holding `{port}`."""
+    argv = shlex.split(command)
+    if not any("{port}" in a for a in argv):
+        raise ValueError(f"--server-cmd must contain {{port}}: {command!r}")
+    return System(label or os.path.basename(argv[0]), command=argv)
+
+
+class ServerProcess:
+    """Starts a System's command on a free port and waits until it answers."""
+
+    def __init__(self, system: System, startup_timeout: float = 600.0,
+                 log_dir: str | None = None) -> None:
+        assert system.command is not None
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        argv = [a.replace("{port}", str(self.port)) for a in system.command]
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{system.label}-", suffix=".log",
+                                             dir=log_dir)
+        self._log = os.fdopen(fd, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **system.env)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            for path in ("/health", "/v1/models"):
+                try:
+                    if httpx.get(self.base_url + path, timeout=2,
+                                 trust_env=False).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(1.0)
+        raise TimeoutError(f"server not ready after {timeout:.0f}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stop(self, grace: float = 30.0) -> None:
+        pid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        try:  # leftovers of the group we created (forked workers)
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

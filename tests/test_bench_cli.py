@@ -1,0 +1,76 @@
+"""`bench serve`, `bench capacity` and `bench plot` end to end over HTTP, on a fake engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server_utils import FakeEngine, ThreadServer
+from stallfree.bench.cli import main
+from stallfree.server.api import build_app
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    engine = FakeEngine(step_delay=0.002)
+    engine.max_model_len = 4096
+    engine.model_config.vocab_size = 50000
+    server = ThreadServer(build_app(engine, "fake"))
+    yield server
+    server.stop()
+
+
+COMMON = ["--dataset", "sharegpt", "--length-scale", "0.01", "--max-model-len", "256",
+          "--disable-tqdm"]
+
+
+def test_serve_writes_a_complete_report(fake_server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    rc = main(["serve", "--base-url", fake_server.url, "--model", "fake", "--num-prompts", "5",
+               "--request-rate", "50", "--tbt-slo", "0.5", "--goodput", "tbt:500",
+               "--label", "fake", "--result-file", str(out), *COMMON])
+    assert rc == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 5 and rep["failed"] == 0
+    assert rep["output_lens"] == [len(t) for t in rep["token_times"]]
+    assert rep["output_len_mismatch_requests"] == 0 and rep["token_count_inexact_requests"] == 0
+    assert rep["server_queue_time"]["count"] == 5  # read from the fake server's /metrics
+    for key in ("duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+                "p99_tpot_ms", "median_itl_ms", "p90_e2el_ms", "p99_tbt_ms", "max_tbt_ms",
+                "longest_stall_ms", "request_goodput", "ttfts", "itls", "input_lens"):
+        assert rep[key] is not None, key
+
+
+def test_failed_requests_are_counted(fake_server, tmp_path):
+    out = tmp_path / "bad.json"
+    rc = main(["serve", "--base-url", fake_server.url, "--model", "no-such-model",
+               "--num-prompts", "2", "--result-file", str(out), *COMMON])
+    rep = json.loads(out.read_text())
+    assert rc == 1 and rep["failed"] == 2 and rep["completed"] == 0
+    assert any("404" in e for e in rep["error_counts"])
+
+
+def test_capacity_and_plots(fake_server, tmp_path):
+    out = tmp_path / "cap.json"
+    rc = main(["capacity", "--base-url", fake_server.url, "--system-label", "fake",
+               "--tbt-slo", "0.5,1.0", "--num-prompts", "3", "--start-rate", "20",
+               "--max-trials", "2", "--warmup-prompts", "1", "--result-file", str(out),
+               "--trial-detail-dir", str(tmp_path / "trials"), *COMMON])
+    assert rc == 0
+    cap = json.loads(out.read_text())
+    assert cap["kind"] == "capacity" and len(cap["summary"]) == 2
+    fake = cap["systems"][0]
+    assert fake["label"] == "fake"
+    for res in fake["results"]:
+        assert res["capacity_qps"] >= 20.0  # a fake engine at 2 ms per step never stalls
+        assert res["trials"] and all(t["passed"] for t in res["trials"])
+        assert res["trials"][0]["sched_delay_source"] == "prometheus"
+        assert "P99 TBT <=" in res["criterion"]["text"]
+    trials = sorted((tmp_path / "trials").iterdir())
+    assert trials
+    pngs = tmp_path / "png"
+    assert main(["plot", str(out), str(trials[0]), "--out-dir", str(pngs)]) == 0
+    names = {p.name for p in pngs.iterdir()}
+    assert {"tbt_cdf.png", "vs_rate.png", "capacity.png"} <= names
+    assert any(n.startswith("timeline_") for n in names)
