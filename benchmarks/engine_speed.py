@@ -12,6 +12,7 @@ import time
 import torch
 
 from stallfree import LLM, SamplingParams
+from stallfree.model.llama import kv_cache_bytes_per_token
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -46,17 +47,25 @@ def _prompts(count: int, length: int, salt: int) -> list[list[int]]:
 
 def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
     """Median iteration time once `batch` requests with `context`-token prompts all decode."""
-    llm.reconfigure(token_budget=max(2048, batch), max_num_seqs=max(128, batch))
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    budget = 2048
+    # Early requests decode while later ones still prefill; give them enough tokens
+    # to still be running once the whole batch decodes together.
+    max_tokens = steps + -(-batch * context // budget) + 2
+    kv_bytes = kv_cache_bytes_per_token(llm.engine.model_config, llm.engine.dtype)
+    llm.reconfigure(token_budget=budget, max_num_seqs=max(128, batch),
+                    kv_cache_memory=int(1.2 * batch * (context + max_tokens + 16) * kv_bytes))
+    llm.engine.iterations.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(_prompts(batch, context, batch), params)
     decodes = [r.end - r.start for r in llm.engine.iterations
                if r.num_prefill_tokens == 0 and r.num_seqs == batch]
+    assert len(decodes) >= steps // 2, "the batch never decoded together"
     return statistics.median(decodes)
 
 
 def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
     """A `prompt_len`-token prompt prefilled in chunks of `chunk` tokens (chunking overhead included)."""
-    llm.reconfigure(token_budget=chunk)
+    llm.reconfigure(token_budget=chunk, kv_cache_memory=None)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rates = []
     for salt in range(3):

@@ -14,7 +14,7 @@ from .executor.runner import ModelRunner
 from .model.llama import kv_cache_bytes_per_token
 from .model.loader import load_model
 from .model.tokenizer import eos_token_ids, load_tokenizer
-from .outputs import CompletionOutput, RequestOutput, StepOutput
+from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import make_scheduler
@@ -46,6 +46,7 @@ class _Group:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     stop_hit: list[bool] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # per sequence
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -139,7 +140,7 @@ class LLMEngine:
         group = _Group(text, token_ids, arrival, children,
                        [IncrementalDetokenizer(self.tokenizer, params.stop,
                                                params.include_stop_str_in_output)
-                        for _ in children], [False] * params.n)
+                        for _ in children], [False] * params.n, [[] for _ in children])
         for i, child in enumerate(children):
             self.scheduler.add_request(child)
             self._child_to_group[child.request_id] = (request_id, i)
@@ -177,16 +178,18 @@ class LLMEngine:
                 raise RuntimeError("scheduler admitted nothing although requests are waiting "
                                    "and none is running")
             return []
-        sampled = self.runner.execute(output)
+        result = self.runner.execute(output)
         end = time.monotonic()
-        self.scheduler.update(output, sampled, end)
+        self.scheduler.update(output, result.sampled, end)
         self.iterations.append(IterationRecord(
             start, end, output.num_prefill_tokens, output.num_decode_tokens,
             len(output.chunks), len(output.preempted)))
-        return [self._emit(chunk.request, sampled.get(chunk.request.request_id))
+        return [self._emit(chunk.request, result.sampled.get(chunk.request.request_id),
+                           result.logprobs.get(chunk.request.request_id))
                 for chunk in output.chunks if chunk.request.request_id in self._child_to_group]
 
-    def _emit(self, request: Request, token: int | None) -> StepOutput:
+    def _emit(self, request: Request, token: int | None,
+              logprobs: TokenLogprobs | None) -> StepOutput:
         parent_id, index = self._child_to_group[request.request_id]
         group = self._groups[parent_id]
         detokenizer = group.detokenizers[index]
@@ -201,13 +204,19 @@ class LLMEngine:
         if request.is_finished:
             delta += detokenizer.flush()
         new_ids = [token] if token is not None else []
-        return StepOutput(parent_id, index, new_ids, delta, request.finish_reason)
+        new_logprobs = None
+        if logprobs is not None:
+            group.logprobs[index].append(logprobs)
+            new_logprobs = [logprobs]
+        return StepOutput(parent_id, index, new_ids, delta, request.finish_reason, new_logprobs)
 
     def request_output(self, request_id: str) -> RequestOutput:
         group = self._groups[request_id]
         outputs = [CompletionOutput(i, detok.text, list(child.output_token_ids),
                                     child.finish_reason, list(child.token_times),
-                                    child.num_preemptions)
+                                    child.num_preemptions,
+                                    list(group.logprobs[i])
+                                    if child.sampling_params.logprobs is not None else None)
                    for i, (child, detok) in enumerate(zip(group.children, group.detokenizers))]
         first = [c.first_scheduled_time for c in group.children if c.first_scheduled_time]
         return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs,

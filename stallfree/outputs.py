@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities (under the model's raw distribution) at one output step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens, best first
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence (a request with n > 1 has several)."""
 
@@ -14,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None
     token_times: list[float] = field(default_factory=list)  # when each token was produced
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token when requested
 
 
 @dataclass
@@ -64,3 +74,4 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when requested

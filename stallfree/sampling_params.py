@@ -26,6 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # Return the sampled token's log-probability plus this many most likely
+    # alternatives per step; None returns none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +58,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "must be non-negative integers")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "logprobs", "must be an integer in [0, 20] or None")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
               "repetition_penalty", "must be > 0")

@@ -104,3 +104,17 @@ def test_bad_prompts_raise_clear_errors(default_llm):
     with pytest.raises(ValueError, match="token ids"):
         default_llm.generate([[10**9]], SamplingParams(max_tokens=4))
     assert not default_llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_match_the_reference_distribution(default_llm, hf_reference):
+    default_llm.reconfigure(token_budget=512, kv_cache_memory=None)
+    ids = default_llm.engine.tokenize("The capital of France is")
+    out = default_llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=4))[0]
+    steps = out.outputs[0].logprobs
+    assert [s.token_id for s in steps] == out.token_ids
+    with torch.inference_mode():
+        ref = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    first = steps[0]
+    assert first.logprob == pytest.approx(float(ref[first.token_id]), abs=1e-4)
+    assert [t for t, _ in first.top] == ref.topk(4).indices.tolist()
+    assert default_llm.generate([ids], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None

@@ -107,6 +107,28 @@ def test_sync_client_parameters(client):
     assert extra.usage.completion_tokens == 5
 
 
+def test_logprobs_in_both_formats(client):
+    done = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4,
+                                      logprobs=3, **GREEDY)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == done.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # Greedy picks the most likely token, so it heads the alternatives.
+        assert len(top) == 3 and logprob <= 0 and max(top.values()) == pytest.approx(logprob)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
+        stream=True, **GREEDY)
+    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs
+                for e in c.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content])
+
+
 def test_async_client_completions_and_chat(aclient_factory):
     async def scenario():
         client = aclient_factory()
@@ -225,7 +247,7 @@ BAD = [
     ("stop_token_ids out of vocab", "/v1/completions",
      {"prompt": "x", "stop_token_ids": [10**6], "min_tokens": 2}, 400, "stop_token_ids"),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs over 20", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("stream_options without stream", "/v1/completions",
      {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
@@ -233,8 +255,8 @@ BAD = [
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
      400, None),
     ("message not an object", "/v1/chat/completions", {"messages": ["hi"]}, 400, None),
-    ("chat top_logprobs", "/v1/chat/completions", {"messages": _MSG, "logprobs": True,
-                                                   "top_logprobs": 2}, 400, "logprobs"),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": _MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat max_tokens negative", "/v1/chat/completions", {"messages": _MSG, "max_tokens": -1},
      400, "max_tokens"),
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": _MSG}, 404,

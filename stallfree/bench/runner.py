@@ -12,7 +12,7 @@ from typing import Any
 from . import prom
 from .client import ClientConfig, run
 from .metrics import PERCENTILES, SLOs, compute_report
-from .workload import WorkloadConfig, build_workload, describe
+from .workload import RequestSpec, WorkloadConfig, build_workload, describe
 
 
 @dataclass
@@ -33,19 +33,11 @@ def _rate_json(rate: float) -> float | str:
 
 def run_benchmark(cfg: BenchConfig, token_salt: int = 0) -> dict[str, Any]:
     """Runs the workload once and returns the report with its configuration."""
-    w, c = cfg.workload, cfg.client
-    specs = build_workload(w, token_salt)
+    c = cfg.client
+    specs = build_workload(cfg.workload, token_salt)
     before = prom.scrape_queue_time(c.base_url, c.api_key) if cfg.scrape_metrics else None
     result = run(specs, c)
-    report: dict[str, Any] = {
-        "date": datetime.fromtimestamp(result.start_unix, timezone.utc).strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai", "label": cfg.label, "model_id": c.model, "base_url": c.base_url,
-        "endpoint": c.endpoint, "dataset_name": w.dataset if not w.dataset_path else w.dataset_path,
-        "num_prompts": w.num_prompts, "request_rate": _rate_json(w.request_rate),
-        "burstiness": w.burstiness, "max_concurrency": c.max_concurrency, "seed": w.seed,
-        "length_scale": w.length_scale, "max_model_len": w.max_model_len,
-        "ignore_eos": c.ignore_eos, "max_duration": c.max_duration, "workload": describe(specs),
-    }
+    report = report_header(cfg, specs, result.start_unix)
     report |= compute_report(result, cfg.slos, cfg.percentiles, cfg.detail, cfg.tbt_slo_ms)
     if before is not None:
         # Failed requests may never reach the engine (e.g. a 404): wait for the completed only.
@@ -56,6 +48,21 @@ def run_benchmark(cfg: BenchConfig, token_salt: int = 0) -> dict[str, Any]:
                 "buckets": [[le, n] for le, n in sorted(hist.buckets.items())
                             if not math.isinf(le)]}
     return report
+
+
+def report_header(cfg: BenchConfig, specs: list[RequestSpec], start_unix: float,
+                  backend: str = "openai") -> dict[str, Any]:
+    """The run's configuration, first in every report (the simulator writes the same)."""
+    w, c = cfg.workload, cfg.client
+    return {
+        "date": datetime.fromtimestamp(start_unix, timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "backend": backend, "label": cfg.label, "model_id": c.model, "base_url": c.base_url,
+        "endpoint": c.endpoint, "dataset_name": w.dataset if not w.dataset_path else w.dataset_path,
+        "num_prompts": w.num_prompts, "request_rate": _rate_json(w.request_rate),
+        "burstiness": w.burstiness, "max_concurrency": c.max_concurrency, "seed": w.seed,
+        "length_scale": w.length_scale, "max_model_len": w.max_model_len,
+        "ignore_eos": c.ignore_eos, "max_duration": c.max_duration, "workload": describe(specs),
+    }
 
 
 def _settled_queue_time(c: ClientConfig, before: prom.Histogram,

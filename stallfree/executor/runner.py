@@ -1,13 +1,22 @@
 """Runs one scheduled iteration (a mixed batch of prefill chunks and decodes) on the model."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..model.attention import AttentionMetadata
 from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..model.config import ModelConfig
 from ..scheduler.output import SchedulerOutput
-from .sampler import Sampler
+from ..outputs import TokenLogprobs
+from .sampler import Sampler, token_logprobs
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
 
 
 class ModelRunner:
@@ -20,10 +29,10 @@ class ModelRunner:
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Computes every scheduled chunk in one forward pass; returns the sampled tokens."""
         if not output.chunks:
-            return {}
+            return RunnerOutput()
         # The attention kernel wants prefill chunks first, then single-token decodes.
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens == 1)
         token_ids: list[int] = []
@@ -42,8 +51,11 @@ class ModelRunner:
             metadata, self.kv_cache)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
-            return {}
+            return RunnerOutput()
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(logits, [c.request for c in sampling])
-        return {c.request.request_id: t for c, t in zip(sampling, tokens)}
+        requests = [c.request for c in sampling]
+        tokens = self.sampler(logits, requests)
+        logprobs = token_logprobs(logits, tokens, requests)
+        return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
+                            {requests[i].request_id: lp for i, lp in logprobs.items()})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..outputs import TokenLogprobs
 from ..request import Request
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the 64-bit seed space
@@ -104,3 +105,22 @@ def _block_early_stop(row: torch.Tensor, req: Request) -> None:
     stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
     if stops:
         row[torch.tensor(sorted(stops), device=row.device)] = float("-inf")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   requests: list[Request]) -> dict[int, TokenLogprobs]:
+    """Row index -> log-probabilities of the sampled token and the top alternatives,
+    for the rows whose request asked for them. Uses the raw model distribution."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    most = max(requests[i].sampling_params.logprobs for i in rows)
+    top_vals, top_ids = logprobs.topk(max(most, 1), dim=-1)
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
+    result = {}
+    for j, i in enumerate(rows):
+        k = requests[i].sampling_params.logprobs
+        top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
+        result[i] = TokenLogprobs(tokens[i], float(chosen[j]), top)
+    return result

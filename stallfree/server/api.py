@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..outputs import RequestOutput, StepOutput
 from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from .metrics import CONTENT_TYPE
+from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatResponseMessage, CompletionChoice, CompletionRequest,
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -223,6 +224,9 @@ class _State:
     def decode(self, ids: list[int]) -> str:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def decode_one(self, token_id: int) -> str:
+        return self.decode([token_id])
+
     async def start(self, request_id: str, prompts: Sequence[str | list[int]], params: Any,
                     arrival: float) -> Generation:
         self.check_alive()
@@ -370,17 +374,26 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
         gen = await state.start(cid, ids, params, arrival)
         n = params.n
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": None,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish}], "usage": None}
+
+        offsets: dict[int, int] = {}  # text streamed so far per choice, for text_offset
+
+        def step_chunk(i: int, item: StepOutput) -> dict:
+            index = i * n + item.index
+            logprobs = None
+            if item.logprobs is not None:
+                logprobs = completion_logprobs(item.logprobs, state.decode_one,
+                                               offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(item.new_text)
+            return chunk(index, item.new_text, item.finish_reason, logprobs)
 
         if body.stream:
             echoed = [chunk(i * n + j, text, None) for i, text in enumerate(echo or [])
                       for j in range(n)]
-            return _stream(gen, echoed,
-                           lambda i, item: chunk(i * n + item.index, item.new_text,
-                                                 item.finish_reason),
+            return _stream(gen, echoed, step_chunk,
                            {"id": cid, "object": "text_completion", "created": created,
                             "model": model} if body.include_usage else None)
 
@@ -392,6 +405,8 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
             raise _internal(exc) from exc
         choices = [CompletionChoice(index=i * n + o.index,
                                     text=(echo[i] if echo else "") + o.text,
+                                    logprobs=None if o.logprobs is None else completion_logprobs(
+                                        o.logprobs, state.decode_one, len(echo[i]) if echo else 0),
                                     finish_reason=o.finish_reason)
                    for i, f in enumerate(finals) for o in f.outputs]
         return CompletionResponse(id=cid, created=created, model=model, choices=choices,
@@ -413,17 +428,19 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
         gen = await state.start(cid, [ids], params, arrival)
         n = params.n
 
-        def chunk(index: int, delta: dict, finish: str | None) -> dict:
+        def chunk(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": model, "choices": [{"index": index, "delta": delta,
-                                                 "logprobs": None, "finish_reason": finish}],
+                                                 "logprobs": logprobs, "finish_reason": finish}],
                     "usage": None}
 
         if body.stream:
             roles = [chunk(j, {"role": "assistant", "content": ""}, None) for j in range(n)]
             return _stream(gen, roles,
-                           lambda _, item: chunk(item.index, {"content": item.new_text}
-                                                 if item.new_text else {}, item.finish_reason),
+                           lambda _, item: chunk(
+                               item.index, {"content": item.new_text} if item.new_text else {},
+                               item.finish_reason, None if item.logprobs is None
+                               else chat_logprobs(item.logprobs, state.decode_one)),
                            {"id": cid, "object": "chat.completion.chunk", "created": created,
                             "model": model} if body.include_usage else None)
 
@@ -435,6 +452,8 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
             raise _internal(exc) from exc
         choices = [ChatCompletionChoice(index=o.index,
                                         message=ChatResponseMessage(content=o.text),
+                                        logprobs=None if o.logprobs is None else chat_logprobs(
+                                            o.logprobs, state.decode_one),
                                         finish_reason=o.finish_reason)
                    for o in finals[0].outputs]
         return ChatCompletionResponse(id=cid, created=created, model=model, choices=choices,

@@ -87,14 +87,16 @@ class _SamplingFields(OpenAIModel):
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias", "logit_bias is not supported yet")
 
-    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None,
+                         logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise UnsupportedFeature("stop", "stop strings must not be empty")
         kwargs: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed)
+            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
+            logprobs=logprobs)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1),
                               ("min_p", 0.0), ("repetition_penalty", 1.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
@@ -128,19 +130,17 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.logprobs is not None:
-            raise UnsupportedFeature("logprobs", "logprobs are not supported yet")
         if self.suffix:
             raise UnsupportedFeature("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFeature("best_of", "best_of other than n is not supported yet")
-        return self._sampling_params(self.max_tokens)
+        return self._sampling_params(self.max_tokens, self.logprobs)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -197,8 +197,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.logprobs or self.top_logprobs is not None:
-            raise UnsupportedFeature("logprobs", "logprobs are not supported yet")
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedFeature("top_logprobs", "top_logprobs needs logprobs: true")
         if self.response_format is not None and self.response_format.type != "text":
             raise UnsupportedFeature("response_format",
                                      f"response_format {self.response_format.type!r} "
@@ -207,7 +207,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFeature("tools", "tools are not supported yet")
         # OpenAI's default: generate until the model stops (or max_model_len).
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._sampling_params(max_tokens)
+        return self._sampling_params(max_tokens,
+                                     (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class ChatResponseMessage(BaseModel):
@@ -218,7 +219,7 @@ class ChatResponseMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
