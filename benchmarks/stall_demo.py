@@ -56,7 +56,7 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.6 * len(results)), sharex=True)
     for ax, res in zip(axes, results):
         for row, (rid, out) in enumerate(res["outputs"].items()):
-            times = [t - res["start"] for t in out.token_times]
+            times = [t - res["start"] for t in out.outputs[0].token_times]
             ax.plot(times, [row] * len(times), "|", markersize=10,
                     color="tab:red" if rid == "long" else "tab:blue")
         ax.axvline(res["long_arrival"] - res["start"], color="gray", linestyle="--", linewidth=1)
