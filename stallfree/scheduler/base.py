@@ -206,6 +206,18 @@ class Scheduler:
                                  self.block_manager.block_table(request.request_id)))
         return True
 
+    def _admit_chunked(self, batch: Batch) -> None:
+        """New (or preempted) requests in strict FCFS order, each with as much of its
+        prefill as the budget left allows. Skipped after a preemption: memory is
+        short, and re-admitting the victim at once would only recompute what was
+        just thrown away."""
+        if batch.preempted:
+            return
+        while self.waiting and batch.budget_left > 0:
+            head = self.waiting[0]
+            if not self._try_admit(batch, min(head.num_tokens_to_compute, batch.budget_left)):
+                return  # no skipping: a large request at the head must not starve
+
     def _try_admit_whole(self, batch: Batch) -> bool:
         """Admits the head of the waiting queue with its whole prefill (no chunking), if it fits.
 

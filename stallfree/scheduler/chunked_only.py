@@ -44,11 +44,4 @@ class ChunkedOnlyScheduler(Scheduler):
             if request.status is RequestStatus.RUNNING and request.is_prefill:
                 num_tokens = min(request.num_tokens_to_compute, batch.budget_left)
                 self._schedule_running(batch, request, num_tokens)
-        # New requests, strict FCFS; none after a preemption (memory is short,
-        # as in sarathi).
-        if batch.preempted:
-            return
-        while self.waiting and batch.budget_left > 0:
-            head = self.waiting[0]
-            if not self._try_admit(batch, min(head.num_tokens_to_compute, batch.budget_left)):
-                return
+        self._admit_chunked(batch)

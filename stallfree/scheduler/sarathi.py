@@ -31,12 +31,5 @@ class SarathiScheduler(Scheduler):
                 num_tokens = min(request.num_tokens_to_compute, batch.budget_left)
                 self._schedule_running(batch, request, num_tokens)
 
-        # (3) New (or preempted) requests in strict FCFS order. Skipped after a
-        # preemption: memory is short, and re-admitting the victim at once
-        # would only recompute what was just thrown away.
-        if batch.preempted:
-            return
-        while self.waiting and batch.budget_left > 0:
-            head = self.waiting[0]
-            if not self._try_admit(batch, min(head.num_tokens_to_compute, batch.budget_left)):
-                break  # no skipping: a large request at the head must not starve
+        # (3) New (or preempted) requests.
+        self._admit_chunked(batch)
