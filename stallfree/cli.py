@@ -70,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_args
     from .bench.convert import add_convert_args
 
+    from .sim.cli import add_simulate_args
+    from .sim.profile import add_profile_args
+
     add_bench_args(sub)
     add_convert_args(sub)
+    add_simulate_args(sub)
+    add_profile_args(sub)
     return parser
 
 
@@ -109,6 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "simulate":
+            from .sim.cli import run_simulate
+
+            return run_simulate(args)
+        if args.command == "profile":
+            from .sim.profile import run_profile
+
+            return run_profile(args)
         if args.command == "convert":
             from .bench.convert import run_convert
 

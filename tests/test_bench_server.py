@@ -57,6 +57,6 @@ def test_capacity_starts_and_stops_our_server(tmp_path):
     assert cap["capacity_qps"] == 2.0 and cap["criterion"]["tbt_slo_s"] == 5.0
     (trial,) = entry["results"][0]["trials"]
     assert trial["passed"] and trial["metrics"]["completed"] == 2
-    assert trial["sched_delay_source"] == "prometheus"
+    assert trial["sched_delay_source"] == "response"  # our server reports it per request
     with pytest.raises(ProcessLookupError):  # stopped by its PID
         os.kill(entry["pid"], 0)

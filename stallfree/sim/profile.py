@@ -1,0 +1,242 @@
+"""`stallfree profile`: measure this machine's engine costs in the layout the cost model reads.
+
+Writes, under `--out` (default ./profiles), for device `cpu` (or --device-name):
+
+    <device>/compute/<org>/<model>/mlp.csv   the engine's own layer modules, by token count,
+                                             plus an `lm_head` op (logits of sampled rows)
+    <device>/compute/attention_n<H>_q<Q>_kv<K>_tp1.csv
+                                             the engine's paged_attention, prefill chunks by
+                                             cached tokens and decode batches by context
+    <device>/cpu_overheads.csv               per-iteration time of real `LLMEngine.step()`
+                                             decode batches minus the summed op times above
+
+Then `stallfree simulate --gpu cpu --profile-dir <out> --model smollm2-135m ...` predicts
+this machine. The default grid runs in about two minutes on two cores; --quick is a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
+        "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
+        "batches": [1, 2, 4, 8, 16, 32, 64, 128], "contexts": [32, 256, 1024, 2048],
+        "step_batches": [1, 4, 16, 32, 64], "repeats": 5, "max_decode_tokens": 65536}
+QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
+         "batches": [1, 4], "contexts": [32, 256], "step_batches": [1, 4], "repeats": 2,
+         "max_decode_tokens": 4096}
+PROMPT_LEN = 32  # prompts of the engine-step runs: short, so their prefills stay cheap
+BLOCK = 16
+LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
+OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+       "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "lm_head")
+
+
+def add_profile_args(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure this machine's costs for the simulator")
+    p.add_argument("--model", default=None, help="engine model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device-name", default=None, help="folder name (default: the device type)")
+    p.add_argument("--out", default="profiles", help="profile root to write into")
+    p.add_argument("--quick", action="store_true", help="tiny grids: a smoke run")
+    return p
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    return {"min": min(ms), "max": max(ms), "mean": statistics.fmean(ms),
+            "median": statistics.median(ms), "std": statistics.pstdev(ms)}
+
+
+def _time(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    fn()  # warm-up: first calls allocate
+    ms = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t) * 1e3)
+    return _stats(ms)
+
+
+def _cols(op: str, s: dict[str, float]) -> dict[str, float]:
+    return {f"time_stats.{op}.{k}": v for k, v in s.items()}
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path} ({len(rows)} rows)", flush=True)
+
+
+def profile_ops(model: Any, cfg: Any, grid: dict[str, Any], torch: Any) -> list[dict[str, Any]]:
+    """Each token-level op of layer 0 (and the embedding / LM head) at each token count."""
+    shape = {"n_head": cfg.num_attention_heads, "n_kv_head": cfg.num_key_value_heads,
+             "n_embd": cfg.hidden_size, "n_expanded_embd": cfg.intermediate_size,
+             "vocab_size": cfg.vocab_size, "use_gated_mlp": True,
+             "num_tensor_parallel_workers": 1}
+    return [_ops_row(model, cfg, t, grid["repeats"], torch) | shape | {"num_tokens": t}
+            for t in grid["tokens"]]
+
+
+def _ops_row(model: Any, cfg: Any, t: int, repeats: int, torch: Any) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from ..model.layers import apply_rope
+
+    layer = model.model.layers[0]
+    attn, h, hd, inter = layer.self_attn, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    weight = model.model.embed_tokens.weight
+    dev, dt = weight.device, weight.dtype
+    x, y = torch.randn(t, h, dtype=dt, device=dev), torch.randn(t, h, dtype=dt, device=dev)
+    ids = torch.randint(0, cfg.vocab_size, (t,), device=dev)
+    cos, sin = model.model.rotary.lookup(torch.arange(t, device=dev), dt)
+    qk = torch.randn(t, cfg.num_attention_heads + cfg.num_key_value_heads, hd, dtype=dt,
+                     device=dev)
+    up = torch.randn(t, 2 * inter, dtype=dt, device=dev)
+    attn_out = torch.randn(t, attn.q_size, dtype=dt, device=dev)
+    fns = {"emb": lambda: model.model.embed_tokens(ids),
+           "input_layernorm": lambda: layer.input_layernorm(x),
+           "attn_pre_proj": lambda: attn.qkv_proj(x),
+           "attn_rope": lambda: apply_rope(qk, cos, sin),
+           "attn_post_proj": lambda: attn.o_proj(attn_out),
+           "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
+           "mlp_up_proj": lambda: layer.mlp.gate_up_proj(x),
+           "mlp_act": lambda: F.silu(up[:, :inter]) * up[:, inter:],
+           "mlp_down_proj": lambda: layer.mlp.down_proj(up[:, :inter]),
+           "add": lambda: x + y,
+           "lm_head": lambda: model.compute_logits(x)}
+    row: dict[str, Any] = {}
+    for op in OPS:
+        if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
+            row |= {k: "" for k in _cols(op, _stats([0.0]))}
+        else:
+            row |= _cols(op, _time(fns[op], repeats))
+    return row
+
+
+def profile_attention(cfg: Any, grid: dict[str, Any], torch: Any, dev: Any,
+                      dt: Any) -> list[dict[str, Any]]:
+    """The engine's paged_attention for one layer: prefill (chunk, cached), decode (batch, ctx)."""
+    cases = [(1, c, k) for c in grid["chunks"] for k in grid["cached"] if c + k <= 4096]
+    cases += [(b, 0, ctx) for b in grid["batches"] for ctx in grid["contexts"]
+              if b * ctx <= grid["max_decode_tokens"]]
+    return [_attention_row(cfg, b, c, k, grid["repeats"], torch, dev, dt) for b, c, k in cases]
+
+
+def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, torch: Any,
+                   dev: Any, dt: Any) -> dict[str, Any]:
+    """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
+    from ..model.attention import AttentionMetadata, paged_attention
+
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    prefill = chunk > 0
+    per_seq = -(-(cached + max(chunk, 1)) // BLOCK)
+    cache = torch.zeros(2, per_seq * batch, BLOCK, hkv, hd, dtype=dt, device=dev)
+    seqs = [(cached if prefill else cached - 1, chunk if prefill else 1,
+             list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
+    meta = AttentionMetadata.build(seqs, BLOCK, dev)
+    n = chunk if prefill else batch
+    q = torch.randn(n, hq, hd, dtype=dt, device=dev)
+    k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
+    s = _time(lambda: paged_attention(q, k, v, cache, meta, hd ** -0.5), repeats)
+    zero = _stats([0.0])
+    timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
+                                                                     "attn_prefill")
+    row = _cols("attn_input_reshape", zero) | _cols("attn_output_reshape", zero)
+    row |= _cols(timed, s) | {key: "" for key in _cols(blank, zero)}
+    return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
+                  "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
+                  "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
+                  "attention_backend": "stallfree.paged_attention", "profile_method": "wall"}
+
+
+def profile_steps(engine: Any, grid: dict[str, Any]) -> dict[int, tuple[float, int]]:
+    """Median `LLMEngine.step()` of decode-only batches: batch -> (seconds, mean context)."""
+    import random
+
+    from ..sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    out = {}
+    for b in grid["step_batches"]:
+        ids = [f"p{b}-{i}" for i in range(b)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(100, vocab) for _ in range(PROMPT_LEN)],
+                               SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0))
+        while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        engine.step()  # warm-up decode
+        ms = []
+        for _ in range(grid["repeats"] + 2):
+            t = time.perf_counter()
+            engine.step()
+            ms.append(time.perf_counter() - t)
+        ctx = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
+        out[b] = (statistics.median(ms), int(ctx))
+        for rid in ids:
+            engine.abort_request(rid)
+    return out
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..engine import LLMEngine
+    from .cost_model import BatchShape, ProfiledCostModel
+    from .hardware import GpuSpec, ModelSpec
+
+    grid = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    sched = SchedulerConfig("sarathi", token_budget=4096, max_num_seqs=256, max_model_len=4096)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    scheduler=sched, cache=CacheConfig(kv_cache_memory=1 << 28)))
+    cfg, device = engine.model_config, engine.device
+    name = args.device_name or device.type
+    root = Path(args.out)
+    org_model = ("HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None
+                 else f"local/{os.path.basename(os.path.normpath(args.model))}")
+    print(f"profiling {org_model} on {device} ({engine.dtype}), {torch.get_num_threads()} "
+          f"threads -> {root / name}", flush=True)
+    with torch.inference_mode():
+        _write(root / name / "compute" / org_model / "mlp.csv",
+               profile_ops(engine.model, cfg, grid, torch))
+        _write(root / name / "compute" / f"attention_n{cfg.num_attention_heads * cfg.head_dim}"
+               f"_q{cfg.num_attention_heads}_kv{cfg.num_key_value_heads}_tp1.csv",
+               profile_attention(cfg, grid, torch, device, engine.dtype))
+        steps = profile_steps(engine, grid)
+    spec = ModelSpec(org_model, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+                     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                     profile_name=org_model)
+    ops = ProfiledCostModel(spec, GpuSpec(name, 0, 1e12, 1e10, 1e10, None), root=root)
+    rows = []
+    for b, (seconds, ctx) in sorted(steps.items()):
+        residual = max(0.0, seconds - ops.iteration(BatchShape.decode(b, ctx)).stage) * 1e3
+        print(f"  decode batch {b:4d} (context {ctx}): step {seconds * 1e3:.2f} ms, "
+              f"outside the ops {residual:.2f} ms", flush=True)
+        parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": residual,
+                 "process_model_outputs": 0.0}
+        rows.append({f"{k}_{s}": v for k, v in parts.items() for s in ("mean", "median")}
+                    | {"model_name": org_model, "batch_size": b, "tensor_parallel_degree": 1,
+                       "ray_comm_time_mean": 0.0})
+    _write(root / name / "cpu_overheads.csv", rows)
+    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m stallfree.sim.profile")
+    add_profile_args(parser.add_subparsers(dest="command", required=True))
+    sys.exit(run_profile(parser.parse_args(["profile", *sys.argv[1:]])))

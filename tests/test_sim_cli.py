@@ -1,0 +1,128 @@
+"""`simulate` and `simulate capacity` write the bench's own report and capacity JSON."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from stallfree.bench.capacity import Criterion, search_capacity
+from stallfree.bench.client import RequestResult, RunResult
+from stallfree.bench.metrics import compute_report
+from stallfree.bench.runner import BenchConfig, report_header
+from stallfree.bench.workload import RequestSpec, WorkloadConfig
+from stallfree.config import SchedulerConfig
+from stallfree.sim.cli import main
+from stallfree.sim.cost_model import ConstantCostModel
+from stallfree.sim.runner import (
+    Deployment,
+    run_simulated_benchmark,
+    sim_bench_config,
+    with_rate,
+)
+
+SMALL = ["--dataset", "random", "--random-input-len", "600", "--random-output-len", "40",
+         "--random-range-ratio", "0.5", "--num-prompts", "30"]
+
+
+def bench_keys() -> set[str]:
+    """Every key `bench serve` writes (header plus report) for a one-request run."""
+    r = RequestResult(0, 5, 2, 0.0, 0.0, [0.1, 0.2], [1, 1], 2, success=True,
+                      scheduling_delay=0.01)
+    spec = RequestSpec(0, 0.0, 5, 2, [1] * 5)
+    cfg = sim_bench_config(WorkloadConfig(dataset="random"), Deployment())
+    return set(report_header(cfg, [spec], 0.0)) | set(
+        compute_report(RunResult([r], 0.2, 0.0), tbt_slo_ms=100.0))
+
+
+def test_simulate_writes_the_bench_report(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["simulate", "--model", "mistral-7b", "--gpu", "a100", "--policy", "sarathi",
+                 "--token-budget", "512", "--request-rate", "2", "--tbt-slo", "0.1",
+                 "--result-file", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "Time Between Tokens" in text
+    rep = json.loads(out.read_text())
+    assert bench_keys() <= set(rep)
+    assert rep["backend"] == "simulator" and rep["completed"] == 30 and rep["failed"] == 0
+    assert rep["sched_delay_source"] == "response" and rep["p99_tbt_ms"] < 100
+    assert rep["simulation"]["iterations"] > 0
+    assert len(rep["token_times"]) == 30
+
+
+def test_capacity_command_writes_capacity_json(tmp_path):
+    out = tmp_path / "cap.json"
+    # Flags before and after the subcommand both count.
+    # 60 prompts of ~2000 tokens take ~10 s to prefill at budget 256: queues build up.
+    assert main(["simulate", "--model", "mistral-7b", "capacity", "--tbt-slo", "0.05",
+                 "--system", "sarathi:256", "--start-rate", "2", "--precision", "0.2",
+                 "--max-trials", "12", "--result-file", str(out), "--dataset", "random",
+                 "--random-input-len", "2000", "--random-output-len", "20",
+                 "--num-prompts", "60"]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "capacity" and res["capacity_qps"] > 0
+    (system,) = res["systems"]
+    assert system["label"] == "sim-sarathi-b256-s128"
+    assert system["results"][0]["converged"]
+    assert res["deployment"]["model"] == "mistral-7b"
+
+
+def test_bad_setups_are_errors(capsys):
+    assert main(["simulate", "--policy", "sarathi,vllm", *SMALL]) == 2
+    assert main(["simulate", "--model", "llama-2-70b", *SMALL]) == 2  # one A100 is too small
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_calibrate_prints_the_table(capsys):
+    assert main(["simulate", "calibrate"]) == 0
+    assert "| fig2 decode x128 |" in capsys.readouterr().out
+
+
+def _trial(base: BenchConfig, sched: SchedulerConfig, dep: Deployment, cost: ConstantCostModel,
+           rate: float) -> dict:
+    return run_simulated_benchmark(with_rate(base, rate), sched, dep, cost)
+
+
+def test_capacity_search_on_the_simulator_separates_policies():
+    # A prefill-heavy constant model: a whole 1200-token prefill costs 1.2 s, a decode
+    # iteration 0.03 s. Under a 0.25 s TBT SLO, vLLM's stalls cap its capacity far below
+    # Sarathi's chunked, stall-free iterations.
+    cost = ConstantCostModel(base=0.02, per_token=0.001)
+    dep = Deployment(kv_cache_memory=8 << 30)  # 64k tokens of Mistral KV: no preemption
+    workload = WorkloadConfig(dataset="random", num_prompts=40, random_input_len=1200,
+                              random_output_len=60, random_range_ratio=0.3)
+    caps = {}
+    for policy, budget in (("sarathi", 200), ("vllm", 4096)):
+        sched = SchedulerConfig(policy, budget, 64, 4096)
+        base: BenchConfig = sim_bench_config(workload, dep, detail=False)
+        trial = functools.partial(_trial, base, sched, dep, cost)
+        res = search_capacity(trial, Criterion(0.25, sched_delay_source="response"),
+                              start_rate=0.5, precision=0.15)
+        assert res.converged
+        caps[policy] = res.capacity_qps
+        for t in res.trials:  # the verdicts agree with the SLO
+            assert t.passed == (t.tbt_s <= 0.25 and t.sched_delay_s <= 2.0)
+    assert caps["sarathi"] > 1.5 * caps["vllm"] > 0
+
+
+def test_deployment_kv_blocks_and_cost_model():
+    dep = Deployment("yi-34b", "a100", tp=2)
+    sched = SchedulerConfig("sarathi", 512, 128, 8192)
+    assert 15_000 < dep.num_blocks(sched) < 25_000
+    assert dep.url == "sim://yi-34b/a100/tp2-pp1"
+    cal = Deployment("yi-34b", "a100", tp=2, calibration="yi34b").cost_model()
+    assert cal.extra_cpu[1] > 0
+    with pytest.raises(ValueError):
+        Deployment(calibration="bogus")
+
+
+def test_compare_reports(tmp_path, capsys):
+    real = {"median_tbt_ms": 100.0, "p99_tbt_ms": 200.0, "median_ttft_ms": 50.0}
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    (tmp_path / "sim.json").write_text(json.dumps({k: v * 1.1 for k, v in real.items()}))
+    (tmp_path / "off.json").write_text(json.dumps({k: v * 1.3 for k, v in real.items()}))
+    assert main(["simulate", "compare", str(tmp_path / "real.json"),
+                 str(tmp_path / "sim.json")]) == 0
+    assert "+10.0%" in capsys.readouterr().out
+    assert main(["simulate", "compare", str(tmp_path / "real.json"),
+                 str(tmp_path / "off.json")]) == 1
