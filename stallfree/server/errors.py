@@ -1,0 +1,176 @@
+"""OpenAI-style errors: the body shape, 400 for validation, API-key checks."""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .async_engine import EngineDeadError
+
+logger = logging.getLogger("stallfree.server")
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "include_stop_str_in_output")
+
+
+# ---- errors -----------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def bad_value(err: ValueError, default_param: str | None = None) -> APIError:
+    message = str(err)
+    param = getattr(err, "param", None)
+    if param is None:
+        first = message.split(" ", 1)[0]
+        param = first if first in _SAMPLING_FIELDS else default_param
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+_UNION_HINTS = {
+    "prompt": "must be a non-empty string, a list of strings, a list of token ids "
+              "(integers >= 0) or a list of such lists",
+    "stop": "must be a string or a list of at most 16 strings",
+    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line (and the offending field) for pydantic's errors."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    by_param: dict[str | None, list[dict]] = {}
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc[:1] == ["body"]:
+            loc = loc[1:]
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return f"the body is not valid JSON: {detail}".strip(), None
+        if not loc:
+            if err.get("type") == "missing":
+                return "the request body must be a JSON object", None
+            return f"the request body {err.get('msg', 'is invalid').lower()}", None
+        # Keep the field path; drop pydantic's union member tags ('str', 'list[int]', ...).
+        path = [x for x in loc if not _is_type_tag(x)]
+        # Errors inside a union field (prompt, stop, content) are reported as one.
+        for i, x in enumerate(path):
+            if x in _UNION_HINTS:
+                path = path[:i + 1]
+                break
+        by_param.setdefault(".".join(path) or None, []).append(err)
+    parts = []
+    for param, errs in list(by_param.items())[:5]:
+        leaf = (param or "").split(".")[-1]
+        if len(errs) > 1 and leaf in _UNION_HINTS:
+            parts.append(f"{param}: {_UNION_HINTS[leaf]}")
+        else:
+            parts.append(f"{param}: {errs[0].get('msg')}" if param else str(errs[0].get("msg")))
+    if len(by_param) > 5:
+        parts.append(f"... and {len(by_param) - 5} more fields")
+    first = next(iter(by_param))
+    return "; ".join(parts), first
+
+
+def _is_type_tag(x: str) -> bool:
+    return not x.isdigit() and (x in ("str", "int", "float", "bool", "list", "dict")
+                                or "[" in x or "-" in x or x[:1].isupper())
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), type_,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                              "server_error")
+
+
+
+
+class APIKeyMiddleware:
+    """Every /v1 route requires `Authorization: Bearer KEY` (checked before anything else)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
+                scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = error_response(401, "invalid or missing API key: send "
+                                          "'Authorization: Bearer <key>'", "invalid_request_error",
+                                          code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+
+
+def internal_error(exc: BaseException) -> APIError:
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), "server_error", code="engine_dead")
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
+
+
+
+def document_400_not_422(app: FastAPI) -> None:
+    """Our validation errors answer 400 (as OpenAI does): say so in the OpenAPI schema."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None and "400" not in responses:
+                    responses["400"] = {
+                        "description": "Bad request",
+                        "content": {"application/json": {
+                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        comps = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
