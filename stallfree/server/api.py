@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..outputs import StepOutput
+from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from .errors import (
     APIError,
@@ -86,6 +87,16 @@ class _State:
             raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param,
                            code="invalid_value")
 
+    def check_request(self, body: Any) -> tuple[str, SamplingParams]:
+        """The served model's name and the request's validated sampling parameters."""
+        model = self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+        except ValueError as exc:
+            raise bad_value(exc) from exc
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        return model, params
+
     def decode(self, ids: list[int]) -> str:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -145,12 +156,7 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         arrival = time.monotonic()
-        model = state.check_model(body.model)
-        try:
-            params = body.sampling_params()
-        except ValueError as exc:
-            raise bad_value(exc) from exc
-        state.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        model, params = state.check_request(body)
         prompts = body.prompts()
         for p in prompts:
             if not isinstance(p, str):
@@ -207,12 +213,7 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         arrival = time.monotonic()
-        model = state.check_model(body.model)
-        try:
-            params = body.sampling_params()
-        except ValueError as exc:
-            raise bad_value(exc) from exc
-        state.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        model, params = state.check_request(body)
         ids = await asyncio.to_thread(state.apply_chat_template, body.conversation())
         cid = random_id("chatcmpl")
         created = int(time.time())
