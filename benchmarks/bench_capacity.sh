@@ -29,7 +29,7 @@ BENCH=("$PY" -m stallfree.bench)
 # 1. The SLOs: decode iteration time at batch 1 = median TBT of requests sent one at a time.
 if [[ -z "${STRICT:-}" || -z "${RELAXED:-}" ]]; then
   PORT=$("$PY" -c 'from stallfree.bench.systems import free_port; print(free_port())')
-  "$PY" -m stallfree.server --host 127.0.0.1 --port "$PORT" --max-model-len "$MAX_LEN" \
+  "$PY" -m stallfree serve --host 127.0.0.1 --port "$PORT" --max-model-len "$MAX_LEN" \
     --uvicorn-log-level warning > "$OUT/logs/decode_b1.log" 2>&1 &
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT

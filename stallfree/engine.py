@@ -170,7 +170,7 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Runs one iteration; returns what each touched sequence gained."""
+        """Runs one iteration; returns what each sequence that got a token gained."""
         start = time.monotonic()
         output = self.scheduler.schedule(start)
         if output.is_empty:
@@ -184,17 +184,18 @@ class LLMEngine:
         self.iterations.append(IterationRecord(
             start, end, output.num_prefill_tokens, output.num_decode_tokens,
             len(output.chunks), len(output.preempted)))
-        return [self._emit(chunk.request, result.sampled.get(chunk.request.request_id),
-                           result.logprobs.get(chunk.request.request_id))
-                for chunk in output.chunks if chunk.request.request_id in self._child_to_group]
+        # A chunk that ends mid-prompt produced nothing to report.
+        return [self._emit(chunk.request, result.sampled[chunk.request_id],
+                           result.logprobs.get(chunk.request_id))
+                for chunk in output.chunks
+                if chunk.request_id in result.sampled and chunk.request_id in self._child_to_group]
 
-    def _emit(self, request: Request, token: int | None,
-              logprobs: TokenLogprobs | None) -> StepOutput:
+    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         parent_id, index = self._child_to_group[request.request_id]
         group = self._groups[parent_id]
         detokenizer = group.detokenizers[index]
         delta = ""
-        if token is not None and not group.stop_hit[index]:
+        if not group.stop_hit[index]:
             delta, hit = detokenizer.append(token)
             if hit:
                 group.stop_hit[index] = True
@@ -203,12 +204,11 @@ class LLMEngine:
                                                   RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             delta += detokenizer.flush()
-        new_ids = [token] if token is not None else []
         new_logprobs = None
         if logprobs is not None:
             group.logprobs[index].append(logprobs)
             new_logprobs = [logprobs]
-        return StepOutput(parent_id, index, new_ids, delta, request.finish_reason, new_logprobs)
+        return StepOutput(parent_id, index, [token], delta, request.finish_reason, new_logprobs)
 
     def request_output(self, request_id: str) -> RequestOutput:
         group = self._groups[request_id]

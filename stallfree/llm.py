@@ -82,11 +82,13 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
             while pending:
-                self.engine.step()
-                for rid in [r for r in pending if self.engine.is_finished(r)]:
-                    results[rid] = self.engine.release(rid)
-                    pending.discard(rid)
-                    bar.update(1)
+                for out in self.engine.step():
+                    rid = out.request_id
+                    # With n > 1 the last sequence to finish completes the request.
+                    if out.finish_reason and rid in pending and self.engine.is_finished(rid):
+                        results[rid] = self.engine.release(rid)
+                        pending.discard(rid)
+                        bar.update(1)
         return [results[rid] for rid in ids]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],

@@ -74,7 +74,3 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
-
-    def token_id_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -16,63 +12,24 @@ from types import SimpleNamespace
 
 import httpx
 
+from stallfree.bench.systems import ServerProcess as LaunchedServer
+from stallfree.bench.systems import System, free_port
 from stallfree.outputs import CompletionOutput, RequestOutput, StepOutput
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m stallfree.server ARGS` on a free loopback port; stop() ends it by PID."""
+class ServerProcess(LaunchedServer):
+    """`python -m stallfree serve ARGS` on a free loopback port; stop() ends it by PID."""
 
     def __init__(self, *args: str, startup_timeout: float = 240.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="stallfree-server-", suffix=".log",
-                                               delete=False)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stallfree.server", "--host", "127.0.0.1",
-             "--port", str(self.port), "--uvicorn-log-level", "warning", *args],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_healthy(startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        with open(self.log.name) as f:
-            return f.read()[-n:]
+        command = [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1",
+                   "--port", "{port}", "--uvicorn-log-level", "warning", *args]
+        super().__init__(System("stallfree-test", command=command, env={"HF_HUB_OFFLINE": "1"}),
+                         startup_timeout)
+        self.url = self.base_url
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
+        super().stop(grace=15)
+        os.unlink(self.log_path)
 
 
 class ThreadServer:

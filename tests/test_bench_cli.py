@@ -6,7 +6,7 @@ import json
 import pytest
 
 from server_utils import FakeEngine, ThreadServer
-from stallfree.bench.cli import main
+from stallfree.cli import main as cli_main
 from stallfree.server.api import build_app
 
 
@@ -26,7 +26,7 @@ COMMON = ["--dataset", "sharegpt", "--length-scale", "0.01", "--max-model-len", 
 
 def test_serve_writes_a_complete_report(fake_server, tmp_path, capsys):
     out = tmp_path / "serve.json"
-    rc = main(["serve", "--base-url", fake_server.url, "--model", "fake", "--num-prompts", "5",
+    rc = cli_main(["bench", "serve", "--base-url", fake_server.url, "--model", "fake", "--num-prompts", "5",
                "--request-rate", "50", "--tbt-slo", "0.5", "--goodput", "tbt:500",
                "--label", "fake", "--result-file", str(out), *COMMON])
     assert rc == 0
@@ -44,7 +44,7 @@ def test_serve_writes_a_complete_report(fake_server, tmp_path, capsys):
 
 def test_failed_requests_are_counted(fake_server, tmp_path):
     out = tmp_path / "bad.json"
-    rc = main(["serve", "--base-url", fake_server.url, "--model", "no-such-model",
+    rc = cli_main(["bench", "serve", "--base-url", fake_server.url, "--model", "no-such-model",
                "--num-prompts", "2", "--result-file", str(out), *COMMON])
     rep = json.loads(out.read_text())
     assert rc == 1 and rep["failed"] == 2 and rep["completed"] == 0
@@ -53,7 +53,7 @@ def test_failed_requests_are_counted(fake_server, tmp_path):
 
 def test_capacity_and_plots(fake_server, tmp_path):
     out = tmp_path / "cap.json"
-    rc = main(["capacity", "--base-url", fake_server.url, "--system-label", "fake",
+    rc = cli_main(["bench", "capacity", "--base-url", fake_server.url, "--system-label", "fake",
                "--tbt-slo", "0.5,1.0", "--num-prompts", "3", "--start-rate", "20",
                "--max-trials", "2", "--warmup-prompts", "1", "--result-file", str(out),
                "--trial-detail-dir", str(tmp_path / "trials"), *COMMON])
@@ -70,7 +70,7 @@ def test_capacity_and_plots(fake_server, tmp_path):
     trials = sorted((tmp_path / "trials").iterdir())
     assert trials
     pngs = tmp_path / "png"
-    assert main(["plot", str(out), str(trials[0]), "--out-dir", str(pngs)]) == 0
+    assert cli_main(["bench", "plot", str(out), str(trials[0]), "--out-dir", str(pngs)]) == 0
     names = {p.name for p in pngs.iterdir()}
     assert {"tbt_cdf.png", "vs_rate.png", "capacity.png"} <= names
     assert any(n.startswith("timeline_") for n in names)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from stallfree.bench.cli import main
+from stallfree.cli import main
 from stallfree.model import AttentionMetadata, allocate_kv_cache, load_model, load_tokenizer
 
 IDS = list(range(1000, 1037))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from server_utils import ServerProcess
-from stallfree.bench.cli import main
+from stallfree.cli import main as cli_main
 
 SHORT = ["--dataset", "sharegpt", "--length-scale", "0.05", "--max-model-len", "512",
          "--disable-tqdm"]
@@ -22,7 +22,7 @@ def server():
 
 def test_serve_against_our_server(server, tmp_path):
     out = tmp_path / "serve.json"
-    rc = main(["serve", "--base-url", server.url, "--num-prompts", "4", "--request-rate", "4",
+    rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--request-rate", "4",
                "--tbt-slo", "1.0", "--goodput", "ttft:60000", "--label", "stallfree",
                "--result-file", str(out), *SHORT])
     assert rc == 0
@@ -45,7 +45,7 @@ def test_serve_against_our_server(server, tmp_path):
 
 def test_capacity_starts_and_stops_our_server(tmp_path):
     out = tmp_path / "cap.json"
-    rc = main(["capacity", "--policy", "sarathi", "--token-budget", "64", "--tbt-slo", "5",
+    rc = cli_main(["bench", "capacity", "--policy", "sarathi", "--token-budget", "64", "--tbt-slo", "5",
                "--num-prompts", "2", "--start-rate", "2", "--max-trials", "1",
                "--warmup-prompts", "0", "--startup-timeout", "240", "--log-dir", str(tmp_path),
                "--result-file", str(out), *SHORT])

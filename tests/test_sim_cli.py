@@ -12,7 +12,7 @@ from stallfree.bench.metrics import compute_report
 from stallfree.bench.runner import BenchConfig, report_header
 from stallfree.bench.workload import RequestSpec, WorkloadConfig
 from stallfree.config import SchedulerConfig
-from stallfree.sim.cli import main
+from stallfree.cli import main
 from stallfree.sim.cost_model import ConstantCostModel
 from stallfree.sim.runner import (
     Deployment,

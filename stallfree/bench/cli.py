@@ -1,4 +1,4 @@
-"""`stallfree bench {serve,capacity,plot}` (also `python -m stallfree.bench ...`).
+"""`stallfree bench {serve,capacity,plot}`.
 
 Flag names follow `vllm bench serve` where the meaning is the same. Building
 the parser imports nothing heavy; each command imports what it needs.
@@ -212,18 +212,3 @@ def run_bench(args: argparse.Namespace) -> int:
         print("stallfree bench: interrupted (servers it started were stopped)", file=sys.stderr)
         return 130
     return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m stallfree.bench {serve,capacity,plot,convert} ...` before cli.py wires it."""
-    from .convert import add_convert_args, run_convert
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m stallfree.bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_args(sub)
-    add_convert_args(sub)
-    if argv[:1] != ["convert"]:
-        argv = ["bench", *argv]
-    args = parser.parse_args(argv)
-    return run_convert(args) if args.command == "convert" else run_bench(args)

@@ -3,7 +3,7 @@
 A `System` is a label plus either a URL of a running server or a command
 (with `{port}` where the port goes). Our own server's configurations
 (`--policy sarathi,vllm --token-budget 256,512`) become commands of
-`python -m stallfree.server`, one per (policy, budget) pair.
+`python -m stallfree serve`, one per (policy, budget) pair.
 
 The server runs in a new session (process group) so that a server which
 forks workers (vLLM's engine core) can be cleaned up completely: stop()
@@ -45,7 +45,7 @@ def stallfree_systems(policies: list[str], budgets: list[int], extra_args: list[
     """Our server for every (policy, token budget) pair."""
     systems = []
     for policy, budget in itertools.product(policies, budgets):
-        cmd = [sys.executable, "-m", "stallfree.server", *([model] if model else []),
+        cmd = [sys.executable, "-m", "stallfree", "serve", *([model] if model else []),
                "--host", "127.0.0.1", "--port", "{port}", "--policy", policy,
                "--token-budget", str(budget), "--uvicorn-log-level", "warning"]
         if max_model_len is not None and "--max-model-len" not in extra_args:

@@ -20,7 +20,6 @@ from .errors import (
     document_400_not_422,
     error_response,
     install_error_handlers,
-    internal_error,
 )
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE
@@ -42,7 +41,7 @@ from .protocol import (
     Usage,
     random_id,
 )
-from .streaming import ClientGone, sse_response, unless_disconnected, usage_of
+from .streaming import collect_results, sse_response, usage_of
 
 logger = logging.getLogger("stallfree.server")
 
@@ -191,15 +190,12 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
             echoed = [chunk(i * n + j, text, None) for i, text in enumerate(echo or [])
                       for j in range(n)]
             return sse_response(gen, echoed, step_chunk,
-                           {"id": cid, "object": "text_completion", "created": created,
-                            "model": model} if body.include_usage else None)
+                                {"id": cid, "object": "text_completion", "created": created,
+                                 "model": model} if body.include_usage else None)
 
-        try:
-            finals = await unless_disconnected(raw, gen.results())
-        except ClientGone:
+        finals = await collect_results(raw, gen)
+        if finals is None:  # the client left
             return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001
-            raise internal_error(exc) from exc
         choices = [CompletionChoice(index=i * n + o.index,
                                     text=(echo[i] if echo else "") + o.text,
                                     logprobs=None if o.logprobs is None else completion_logprobs(
@@ -226,22 +222,21 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
                                                  "logprobs": logprobs, "finish_reason": finish}],
                     "usage": None}
 
+        def step_chunk(_: int, item: StepOutput) -> dict:
+            delta = {"content": item.new_text} if item.new_text else {}
+            logprobs = (None if item.logprobs is None
+                        else chat_logprobs(item.logprobs, state.decode_one))
+            return chunk(item.index, delta, item.finish_reason, logprobs)
+
         if body.stream:
             roles = [chunk(j, {"role": "assistant", "content": ""}, None) for j in range(n)]
-            return sse_response(gen, roles,
-                           lambda _, item: chunk(
-                               item.index, {"content": item.new_text} if item.new_text else {},
-                               item.finish_reason, None if item.logprobs is None
-                               else chat_logprobs(item.logprobs, state.decode_one)),
-                           {"id": cid, "object": "chat.completion.chunk", "created": created,
-                            "model": model} if body.include_usage else None)
+            return sse_response(gen, roles, step_chunk,
+                                {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                 "model": model} if body.include_usage else None)
 
-        try:
-            finals = await unless_disconnected(raw, gen.results())
-        except ClientGone:
+        finals = await collect_results(raw, gen)
+        if finals is None:  # the client left
             return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001
-            raise internal_error(exc) from exc
         choices = [ChatCompletionChoice(index=o.index,
                                         message=ChatResponseMessage(content=o.text),
                                         logprobs=None if o.logprobs is None else chat_logprobs(

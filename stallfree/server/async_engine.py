@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
@@ -123,13 +123,6 @@ class AsyncEngine:
         except EngineDeadError:
             pass
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Runs fn(engine) on the engine thread between iterations."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._put(("call", fn, loop, fut))
-        return await fut
-
     def generate(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
                  arrival_time: float | None = None) -> "Generation":
         return Generation(self, request_id, list(prompts), params, arrival_time)
@@ -197,14 +190,6 @@ class AsyncEngine:
             if self._tracked.pop(rid, None) is not None:
                 engine.abort_request(rid)
                 self.metrics.aborted.inc()
-        elif kind == "call":
-            _, fn, loop, fut = command
-            try:
-                result = fn(engine)
-            except Exception as exc:  # noqa: BLE001
-                _reply(loop, fut, error=exc)
-            else:
-                _reply(loop, fut, result)
         elif kind == "stop":
             self._stopping = True
 
@@ -218,28 +203,27 @@ class AsyncEngine:
             if record.num_preempted:
                 metrics.preemptions.inc(record.num_preempted)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        touched: dict[str, _Tracked] = {}
+        finished: dict[str, _Tracked] = {}
         generated = 0
-        for out in outputs:
+        for out in outputs:  # each carries a new token
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            if out.new_token_ids:
-                generated += len(out.new_token_ids)
-                if not tracked.prompt_counted:
-                    tracked.prompt_counted = True
-                    metrics.prompt_tokens.inc(tracked.prompt_len)
-            if out.new_token_ids or out.new_text or out.finish_reason:
-                deliveries.setdefault(tracked.loop, []).append((tracked.queue, out))
-            touched[out.request_id] = tracked
+            generated += len(out.new_token_ids)
+            if not tracked.prompt_counted:
+                tracked.prompt_counted = True
+                metrics.prompt_tokens.inc(tracked.prompt_len)
+            deliveries.setdefault(tracked.loop, []).append((tracked.queue, out))
+            # With n > 1 the last sequence to finish completes the request.
+            if out.finish_reason and engine.is_finished(out.request_id):
+                finished[out.request_id] = tracked
         if generated:
             metrics.generation_tokens.inc(generated)
-        for rid, tracked in touched.items():
-            if engine.is_finished(rid):
-                final: RequestOutput = engine.release(rid)
-                del self._tracked[rid]
-                deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
-                metrics.observe_finished(final)
+        for rid, tracked in finished.items():
+            final: RequestOutput = engine.release(rid)
+            del self._tracked[rid]
+            deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
+            metrics.observe_finished(final)
         self._deliver(deliveries)
 
     @staticmethod
@@ -279,8 +263,6 @@ class AsyncEngine:
                 break
             if command[0] == "add":
                 _reply(command[4], command[6], error=error)
-            elif command[0] == "call":
-                _reply(command[2], command[3], error=error)
         try:
             self._update_gauges()
         except Exception:  # noqa: BLE001

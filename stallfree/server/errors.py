@@ -27,6 +27,11 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
 
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object: {"message", "type", "param", "code"}."""
+        return {"message": self.message, "type": self.type, "param": self.param,
+                "code": self.code}
+
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
@@ -114,8 +119,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
-                              "server_error")
+        err = internal_error(exc)
+        return error_response(err.status, err.message, err.type, err.param, err.code)
 
 
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..outputs import RequestOutput, StepOutput
-from .async_engine import EngineDeadError
+from .errors import internal_error
 
 logger = logging.getLogger("stallfree.server")
 
@@ -74,7 +74,7 @@ def usage_of(finals: list[RequestOutput]) -> dict[str, int]:
 
 
 def sse_response(gen: Any, preamble: list[dict], to_chunk: Callable[[int, StepOutput], dict],
-            usage_head: dict | None) -> Response:
+                 usage_head: dict | None) -> Response:
     """SSE body shared by both endpoints: preamble chunks, one chunk per step output,
     an optional usage chunk, then [DONE]. A client that leaves aborts the request."""
     async def events() -> AsyncIterator[str]:
@@ -108,10 +108,16 @@ def _request_metrics(finals: list[RequestOutput]) -> dict[str, float | int | Non
 
 
 def _stream_error(exc: BaseException) -> str:
-    if isinstance(exc, EngineDeadError):
-        body = {"message": str(exc), "type": "server_error", "param": None, "code": "engine_dead"}
-    else:
-        body = {"message": f"internal server error: {type(exc).__name__}: {exc}",
-                "type": "server_error", "param": None, "code": None}
-    return _sse({"error": body})
+    return _sse({"error": internal_error(exc).body()})
+
+
+async def collect_results(raw: Request, gen: Any) -> list[RequestOutput] | None:
+    """Every final output, or None when the client left first (its requests are
+    aborted); an engine failure becomes a 500."""
+    try:
+        return await unless_disconnected(raw, gen.results())
+    except ClientGone:
+        return None
+    except Exception as exc:  # noqa: BLE001
+        raise internal_error(exc) from exc
 

@@ -8,7 +8,7 @@ the per-iteration CPU time the operator profiles miss, as a + b * requests
 (weighted least squares on relative error over the Figure 2 points, which
 are the cleanest: one batch kind each, one size at a time).
 
-    python -m stallfree.sim.calibrate      # prints the table of docs/simulation.md
+    stallfree simulate calibrate           # prints the table of docs/simulation.md
 """
 from __future__ import annotations
 
@@ -149,6 +149,3 @@ def compare(measured: dict, simulated: dict, tolerance: float = 0.15) -> tuple[s
     lines.append(f"\nwithin {tolerance:.0%} on all three: {'yes' if ok else 'NO'}")
     return "\n".join(lines), ok
 
-
-if __name__ == "__main__":
-    print(table())

@@ -265,16 +265,3 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"stallfree simulate: error: {err}", file=sys.stderr)
         return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m stallfree.sim ...` until stallfree/cli.py wires `simulate` and `profile`."""
-    from .profile import add_profile_args, run_profile
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m stallfree.sim")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_simulate_args(sub)
-    add_profile_args(sub)
-    args = parser.parse_args(argv)
-    return run_profile(args) if args.command == "profile" else run_simulate(args)

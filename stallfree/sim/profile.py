@@ -19,7 +19,6 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -234,9 +233,3 @@ def run_profile(args: argparse.Namespace) -> int:
     _write(root / name / "cpu_overheads.csv", rows)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m stallfree.sim.profile")
-    add_profile_args(parser.add_subparsers(dest="command", required=True))
-    sys.exit(run_profile(parser.parse_args(["profile", *sys.argv[1:]])))
