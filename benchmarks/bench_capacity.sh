@@ -24,7 +24,7 @@ TRIAL_LIMIT=${TRIAL_LIMIT:-400} SYSTEM_LIMIT=${SYSTEM_LIMIT:-5400}
 BUDGETS=${BUDGETS:-128,256,512} ORCA_SEQS=${ORCA_SEQS:-16}
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT/trials" "$OUT/logs"
-BENCH=("$PY" -m stallfree.bench)
+BENCH=("$PY" -m stallfree bench)
 
 # 1. The SLOs: decode iteration time at batch 1 = median TBT of requests sent one at a time.
 if [[ -z "${STRICT:-}" || -z "${RELAXED:-}" ]]; then
