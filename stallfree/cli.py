@@ -39,13 +39,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                        help="split every layer over N worker processes")
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                        help="split the layers into M pipeline stages (M micro-batches in flight)")
+    parser.add_argument("--num-local-workers", type=int, default=None,
+                        help="ranks started here (default: all); the rest join with "
+                             "`stallfree worker` from other machines")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, policy=args.policy, token_budget=args.token_budget,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                dtype=args.dtype, device=args.device, seed=args.seed)
+                dtype=args.dtype, device=args.device, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+                num_local_workers=args.num_local_workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    sub.add_parser("worker", help="one tensor/pipeline-parallel rank, for multi-machine runs "
+                   "(reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)")
     from .bench.cli import add_bench_args
     from .bench.convert import add_convert_args
 
@@ -86,11 +98,11 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**engine_kwargs(args))
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-    else:
-        outputs = llm.generate(args.prompts, params)
+    with LLM(**engine_kwargs(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            outputs = llm.generate(args.prompts, params)
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
             print(json.dumps({
@@ -110,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "worker":
+            from .distributed.worker import main as worker_main
+
+            return worker_main()
         if args.command == "bench":
             from .bench.cli import run_bench
 

@@ -43,6 +43,29 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Workers this process starts (ranks 0 .. n-1); None = all of them. The other
+    # ranks join from other machines with `stallfree worker` (see docs/parallelism.md).
+    num_local_workers: int | None = None
+    startup_timeout: float = 600.0  # seconds for every worker to load its shard
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        local = self.num_local_workers
+        if local is not None and not 0 <= local <= self.world_size:
+            raise ValueError(f"num_local_workers must be in [0, {self.world_size}], got {local!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file or Hugging Face directory; None = default model
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -50,3 +73,4 @@ class EngineConfig:
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

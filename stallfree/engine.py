@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,15 +11,19 @@ import torch
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .detokenizer import IncrementalDetokenizer
-from .executor.runner import ModelRunner
+from .executor.runner import LocalExecutor, ModelRunner
 from .model.llama import kv_cache_bytes_per_token
-from .model.loader import load_model
+from .model.loader import load_model, load_model_config
+from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
 from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import make_scheduler
 from .scheduler.kv_cache import BlockManager
+from .scheduler.output import SchedulerOutput
+from .distributed.executor import DistributedExecutor
+from .distributed.worker import WorkerConfig
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 _CUDA_KV_FRACTION = 0.85  # of the memory free after loading weights
@@ -34,6 +39,9 @@ class IterationRecord:
     num_decode_tokens: int
     num_seqs: int
     num_preempted: int
+    request_ids: tuple[str, ...] = ()  # the sequences in this (micro-)batch
+    # (start, end) on each pipeline stage, from the workers; empty in-process.
+    stage_times: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass
@@ -47,6 +55,22 @@ class _Group:
     detokenizers: list[IncrementalDetokenizer]
     stop_hit: list[bool] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # per sequence
+
+
+@dataclass
+class _Flight:
+    """A submitted micro-batch whose result has not been applied yet."""
+
+    output: SchedulerOutput
+    record: IterationRecord
+
+
+def _threads_per_worker(world_size: int) -> int | None:
+    """CPU threads per worker so that workers together use each core once (an
+    OMP_NUM_THREADS the user set wins); oversubscribed OpenMP threads collapse."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -70,15 +94,30 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        parallel = config.parallel
+        self.executor: LocalExecutor | DistributedExecutor | None = None
+        if parallel.world_size > 1:
+            # Weights live in the workers, shard by shard; this process only schedules.
+            self.model = None
+            self.model_config = load_model_config(config.model)
+            Shard(tp_size=parallel.tensor_parallel_size,
+                  pp_size=parallel.pipeline_parallel_size).check(
+                self.model_config.num_hidden_layers, self.model_config.num_key_value_heads)
+            self.executor = DistributedExecutor(WorkerConfig(
+                config.model, str(self.dtype).removeprefix("torch."), self.device.type,
+                parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.seed,
+                _threads_per_worker(parallel.world_size)), parallel)
+        else:
+            self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self.runner: ModelRunner | None = None
+        self._in_flight: deque[_Flight] = deque()
         self.reconfigure(config.scheduler, config.cache)
 
     def reconfigure(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         """Swaps policy, limits or KV size without reloading weights (when idle)."""
-        if self.runner is not None and self.has_unfinished_requests():
+        if getattr(self, "scheduler", None) is not None and self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure an engine with unfinished requests")
         self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
                                           cache=cache_config)
@@ -89,21 +128,34 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, block_size, cache_config.watermark)
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
-        self.runner = None  # drop the old KV cache before allocating the new one
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
-                                  self.dtype, self.device, seed=self.config.seed)
+        if isinstance(self.executor, DistributedExecutor):
+            self.executor.reset_kv(num_blocks, block_size)
+        else:
+            self.runner = self.executor = None  # drop the old KV cache before the new one
+            self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
+                                      self.dtype, self.device, seed=self.config.seed)
+            self.executor = LocalExecutor(self.runner)
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)
 
     # ---- capacity -------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        block_bytes = kv_cache_bytes_per_token(self.model_config, self.dtype) * cache.block_size
+        """Blocks every rank can hold (the block table is shared): sized by the rank
+        with the most KV per token; kv_cache_memory is per rank."""
+        cache, parallel = self.config.cache, self.config.parallel
+        shards = [Shard(r % parallel.tensor_parallel_size, parallel.tensor_parallel_size,
+                        r // parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+                  for r in range(parallel.world_size)]
+        block_bytes = max(kv_cache_bytes_per_token(self.model_config, self.dtype, s)
+                          for s in shards) * cache.block_size
         budget = cache.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
+                if isinstance(self.executor, DistributedExecutor):
+                    free = min(w.free_memory for w in self.executor.workers)
+                else:
+                    free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * _CUDA_KV_FRACTION)
             else:
                 budget = _DEFAULT_CPU_KV_BYTES
@@ -166,24 +218,45 @@ class LLMEngine:
             self._child_to_group.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def shutdown(self) -> None:
+        """Stops worker processes (a no-op in-process); the engine is unusable after."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Runs one iteration; returns what each sequence that got a token gained."""
-        start = time.monotonic()
-        output = self.scheduler.schedule(start)
-        if output.is_empty:
+        """Runs one iteration; returns what each sequence that got a token gained.
+
+        With pipeline parallelism, first fills the pipeline (up to one micro-batch
+        per stage, none holding a request already in flight), then completes the
+        oldest micro-batch in flight.
+        """
+        busy = frozenset(rid for f in self._in_flight for rid in f.record.request_ids)
+        while len(self._in_flight) < self.executor.depth:
+            start = time.monotonic()
+            output = self.scheduler.schedule(start, busy)
+            if output.is_empty:
+                break
+            ids = tuple(c.request_id for c in output.chunks)
+            self.executor.submit(output)
+            self._in_flight.append(_Flight(output, IterationRecord(
+                start, 0.0, output.num_prefill_tokens, output.num_decode_tokens,
+                len(output.chunks), len(output.preempted), ids)))
+            busy |= frozenset(ids)
+        if not self._in_flight:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 raise RuntimeError("scheduler admitted nothing although requests are waiting "
                                    "and none is running")
             return []
-        result = self.runner.execute(output)
+        flight = self._in_flight.popleft()
+        output = flight.output
+        result = self.executor.receive()
         end = time.monotonic()
         self.scheduler.update(output, result.sampled, end)
-        self.iterations.append(IterationRecord(
-            start, end, output.num_prefill_tokens, output.num_decode_tokens,
-            len(output.chunks), len(output.preempted)))
+        self.iterations.append(dataclasses.replace(
+            flight.record, end=end, stage_times=tuple(result.stage_times)))
         # A chunk that ends mid-prompt produced nothing to report.
         return [self._emit(chunk.request, result.sampled[chunk.request_id],
                            result.logprobs.get(chunk.request_id))

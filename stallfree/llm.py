@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -28,7 +28,8 @@ class LLM:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | None = None,
                  watermark: float = 0.01, dtype: str | None = None, device: str | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 num_local_workers: int | None = None) -> None:
         if token_budget is not None and max_num_batched_tokens is not None \
                 and token_budget != max_num_batched_tokens:
             raise ValueError("token_budget and max_num_batched_tokens are aliases; give one")
@@ -37,10 +38,21 @@ class LLM:
                                     max_model_len=max_model_len or 1 << 30)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                             watermark=watermark)
+        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, num_local_workers)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
-                                             scheduler=scheduler, cache=cache))
+                                             scheduler=scheduler, cache=cache, parallel=parallel))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the worker processes of a parallel engine (nothing to do in-process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def reconfigure(self, **changes: object) -> None:
         """Changes scheduler or cache settings (policy, token_budget, max_num_seqs,

@@ -1,7 +1,9 @@
 """Runs one scheduled iteration (a mixed batch of prefill chunks and decodes) on the model."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -17,15 +19,37 @@ from .sampler import Sampler, token_logprobs
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
+    # (start, end) of this batch on each pipeline stage, monotonic clock; empty in-process.
+    stage_times: list[tuple[float, float]] = field(default_factory=list)
+
+
+class StagePipe(Protocol):
+    """Hidden states between pipeline stages (see stallfree/distributed/pipe.py)."""
+
+    def recv(self, num_tokens: int) -> torch.Tensor: ...
+
+    def send(self, hidden: torch.Tensor) -> None: ...
 
 
 class ModelRunner:
+    """Executes batches on one model (or one rank's shard of it) and its KV cache.
+
+    Under pipeline parallelism a stage other than the first takes its input from
+    `pipe` instead of the embedding, and a stage other than the last hands its
+    output on and samples nothing. Under tensor parallelism only TP rank 0 of
+    the last stage samples; the others take part in the logits all-gather.
+    """
+
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 pipe: StagePipe | None = None) -> None:
         self.model = model
+        self.shard = model.shard
         self.block_size = block_size
         self.device = device
-        self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+        self.pipe = pipe
+        self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
+                                          self.shard)
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -45,17 +69,42 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
         metadata = AttentionMetadata.build(
             [(c.start, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device)
+        hidden_in = None if self.shard.is_first_stage else self.pipe.recv(len(token_ids))
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
-            metadata, self.kv_cache)
+            metadata, self.kv_cache, hidden_in)
+        if not self.shard.is_last_stage:
+            self.pipe.send(hidden)
+            return RunnerOutput()
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return RunnerOutput()
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if self.shard.tp_rank != 0:
+            return RunnerOutput()
         requests = [c.request for c in sampling]
         tokens = self.sampler(logits, requests)
         logprobs = token_logprobs(logits, tokens, requests)
         return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
                             {requests[i].request_id: lp for i, lp in logprobs.items()})
+
+
+class LocalExecutor:
+    """The whole model in this process: each batch runs when it is submitted."""
+
+    depth = 1  # micro-batches in flight at most
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._done: deque[RunnerOutput] = deque()
+
+    def submit(self, output: SchedulerOutput) -> None:
+        self._done.append(self.runner.execute(output))
+
+    def receive(self) -> RunnerOutput:
+        return self._done.popleft()
+
+    def shutdown(self) -> None:
+        self._done.clear()

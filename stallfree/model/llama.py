@@ -8,13 +8,21 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .parallel import Shard, VocabParallelEmbedding
+
+
+def local_heads(config: ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(query heads, KV heads) on this rank: whole GQA groups, so no KV head is shared."""
+    lo, hi = shard.tp_range(config.num_key_value_heads)
+    group = config.num_attention_heads // config.num_key_value_heads
+    return (hi - lo) * group, hi - lo
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.shard = shard
+        self.num_heads, self.num_kv_heads = local_heads(config, shard)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -35,59 +43,74 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        # Row-parallel: each rank holds a slice of the heads' contribution.
+        return self.shard.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        lo, hi = shard.tp_range(config.intermediate_size)
+        self.mlp = SwiGLUMLP(config.hidden_size, hi - lo)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.shard.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The stage's layers only; the embedding on the first stage (and on the last when
+    tied to the LM head), the final norm on the last."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        first, last = shard.is_first_stage, shard.is_last_stage
+        needs_embedding = first or (last and config.tie_word_embeddings)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+                             if needs_embedding else None)
+        lo, hi = shard.layer_range(config.num_hidden_layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard) for _ in range(lo, hi))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
+        shard = shard or Shard()
+        shard.check(config.num_hidden_layers, config.num_key_value_heads)
         self.config = config
-        self.model = LlamaModel(config)
+        self.shard = shard
+        self.model = LlamaModel(config, shard)
         # Tied models read the embedding matrix in compute_logits instead of holding
         # a second Parameter: sharing survives every device/dtype move that way.
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        lo, hi = shard.tp_range(config.vocab_size)
+        self.lm_head = (nn.Linear(config.hidden_size, hi - lo, bias=False)
+                        if shard.is_last_stage and not config.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] flat over the batch. Returns hidden states [T, hidden]."""
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] flat over the batch; `hidden` replaces the embedding
+        on later pipeline stages. Returns hidden states [T, hidden] (normed on the last)."""
         attn_metadata.prepare()
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         # One RoPE lookup per forward, shared by all layers.
         cos, sin = self.model.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attn_metadata, kv_cache[i])
-        return self.model.norm(x)
+        return x if self.model.norm is None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.shard.gather_vocab(F.linear(hidden, weight).float(), self.config.vocab_size)
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""
@@ -95,16 +118,26 @@ class LlamaForCausalLM(nn.Module):
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+                      dtype: torch.dtype, device: torch.device | str,
+                      shard: Shard | None = None) -> torch.Tensor:
     """Zeroed cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
 
     Zeros (not empty) matter: padded decode gathers read unused slots, and masked
     keys must still be finite so they contribute exactly nothing.
     """
-    return torch.zeros(config.num_hidden_layers, 2, num_blocks, block_size,
-                       config.num_key_value_heads, config.head_dim, dtype=dtype, device=device)
+    layers, kv_heads = _local_kv_shape(config, shard or Shard())
+    return torch.zeros(layers, 2, num_blocks, block_size, kv_heads, config.head_dim,
+                       dtype=dtype, device=device)
 
 
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype,
+                             shard: Shard | None = None) -> int:
+    """Bytes one token's KV takes on the rank holding `shard` (default: the whole model)."""
+    layers, kv_heads = _local_kv_shape(config, shard or Shard())
     elem = torch.empty((), dtype=dtype).element_size()
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+    return layers * 2 * kv_heads * config.head_dim * elem
+
+
+def _local_kv_shape(config: ModelConfig, shard: Shard) -> tuple[int, int]:
+    lo, hi = shard.layer_range(config.num_hidden_layers)
+    return hi - lo, local_heads(config, shard)[1]

@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._busy: frozenset[str] = frozenset()  # in flight in a pipeline: not schedulable
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,12 +156,19 @@ class Scheduler:
         return len(self.running)
 
     # ---- one iteration --------------------------------------------------------
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next iteration. `busy`: ids of requests still in flight in earlier
+        micro-batches (pipeline parallelism); they are neither scheduled nor preempted
+        until `update` has applied their batch, as in Sarathi-Serve."""
         # Admission only happens while budget is left after serving every
         # running request, so each running request can always get a token.
         assert len(self.running) <= self.config.token_budget, "more running requests than budget"
         batch = Batch(self.config.token_budget)
-        self._schedule(batch)
+        self._busy = busy
+        try:
+            self._schedule(batch)
+        finally:
+            self._busy = frozenset()
         for chunk in batch.chunks.values():
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
@@ -177,14 +185,20 @@ class Scheduler:
         """The policy: fill `batch` with chunks of running and waiting requests."""
         raise NotImplementedError
 
+    def _schedulable(self) -> list[Request]:
+        """A snapshot of the running requests not in flight, in admission order. A
+        snapshot, as making KV room may preempt from the tail of `running`."""
+        return [r for r in self.running if r.request_id not in self._busy]
+
     def _schedule_running(self, batch: Batch, request: Request, num_tokens: int) -> bool:
         """Schedules `num_tokens` of a running request, preempting from the tail for KV room.
 
-        Returns False if the request itself had to be preempted.
+        Returns False if the request itself had to be preempted. Requests in
+        flight are never victims: their blocks are being written.
         """
         bm = self.block_manager
         while not bm.can_allocate(request, num_tokens, use_watermark=False):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r.request_id not in self._busy)
             self._preempt(batch, victim)
             if victim is request:
                 return False

@@ -24,21 +24,21 @@ class ChunkedOnlyScheduler(Scheduler):
         self._prefill_turn = True
 
     def _schedule(self, batch: Batch) -> None:
-        has_decodes = any(not r.is_prefill for r in self.running)
+        has_decodes = any(not r.is_prefill for r in self._schedulable())
         if self._prefill_turn or not has_decodes:
             self._schedule_prefills(batch)
             if batch.chunks:
                 self._prefill_turn = False
                 return
         # No prefill work (or its turn is over): decode every running decode.
-        for request in list(self.running):
+        for request in self._schedulable():
             if request.status is RequestStatus.RUNNING and not request.is_prefill:
                 self._schedule_running(batch, request, 1)
         self._prefill_turn = True
 
     def _schedule_prefills(self, batch: Batch) -> None:
         # Partial prefills first, oldest first: they hold KV already.
-        for request in list(self.running):
+        for request in self._schedulable():
             if batch.budget_left == 0:
                 return
             if request.status is RequestStatus.RUNNING and request.is_prefill:

@@ -43,7 +43,7 @@ class OrcaScheduler(Scheduler):
 
     def _schedule(self, batch: Batch) -> None:
         # (1) Every running decode, one token each.
-        for request in list(self.running):
+        for request in self._schedulable():
             if request.status is RequestStatus.RUNNING:
                 assert not request.is_prefill, "a running request with a partial prefill"
                 self._schedule_running(batch, request, 1)

@@ -26,7 +26,7 @@ class RequestLevelScheduler(Scheduler):
                 pass
             return
         # The batch decodes; a snapshot, as making KV room may preempt its tail.
-        for request in list(self.running):
+        for request in self._schedulable():
             if request.status is RequestStatus.RUNNING:
                 assert not request.is_prefill, "a running request with a partial prefill"
                 self._schedule_running(batch, request, 1)

@@ -16,14 +16,14 @@ class SarathiScheduler(Scheduler):
     def _schedule(self, batch: Batch) -> None:
         # (1) Every running decode, one token each. Iterate over a snapshot:
         # making KV room may preempt requests from the tail of `running`.
-        for request in list(self.running):
+        for request in self._schedulable():
             if request.status is RequestStatus.RUNNING and not request.is_prefill:
                 # Admission keeps len(running) <= token_budget, so this holds.
                 assert batch.budget_left >= 1, "token budget smaller than the running decodes"
                 self._schedule_running(batch, request, 1)
 
         # (2) Chunks of partially prefilled running requests, oldest first.
-        for request in list(self.running):
+        for request in self._schedulable():
             if batch.budget_left == 0:
                 break
             if (request.status is RequestStatus.RUNNING and request.is_prefill

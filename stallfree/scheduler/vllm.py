@@ -35,7 +35,7 @@ class VLLMScheduler(Scheduler):
 
         # (2) Nothing admissible: one decode for every running request. Over
         # a snapshot, as making KV room may preempt from the tail of `running`.
-        for request in list(self.running):
+        for request in self._schedulable():
             if request.status is RequestStatus.RUNNING:
                 # Whole prefills complete in one iteration, so all running requests decode.
                 assert not request.is_prefill, "a running request with a partial prefill"

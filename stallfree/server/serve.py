@@ -77,5 +77,8 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
     print(f"stallfree: serving {names[0]!r} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        llm.shutdown()  # worker processes of a parallel engine end with the server
     return 0

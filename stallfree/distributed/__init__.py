@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: worker processes joined by torch.distributed."""

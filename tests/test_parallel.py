@@ -1,0 +1,149 @@
+"""Tensor and pipeline parallelism on CPU (gloo): same tokens as one process, real workers.
+
+A small random-weight Qwen2 (q/k/v biases, untied LM head; saved as a Hugging Face directory with the default
+model's tokenizer) keeps start-up cheap; one run uses the default model.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from stallfree import LLM, SamplingParams
+from stallfree.distributed.executor import WorkerError, _free_port
+
+CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)
+PROMPTS = [[(7 * i + 3 * j) % 5000 + 10 for j in range(n)]
+           for i, n in enumerate((3, 9, 17, 30, 41, 5, 60, 12))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+ENGINE = dict(policy="sarathi", token_budget=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stallfree.model.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)  # biases too, so a misplaced slice shows
+    folder = tmp_path_factory.mktemp("small_qwen2")
+    model.save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(None).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def single_tokens(small_model) -> list[list[int]]:
+    llm = LLM(small_model, **ENGINE)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _overlaps(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallel_greedy_matches_single_process(small_model, single_tokens, tp, pp):
+    with LLM(small_model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        records = list(llm.engine.iterations)
+        workers = llm.engine.executor.workers
+        procs = list(llm.engine.executor.procs)
+    assert [o.token_ids for o in outputs] == single_tokens
+    assert len(workers) == tp * pp and all(len(r.stage_times) == pp for r in records)
+    # Every worker process is gone once the LLM is shut down.
+    assert all(p.poll() is not None for p in procs)
+    # A request is never in two micro-batches in flight at once.
+    for i, a in enumerate(records):
+        for b in records[i + 1:]:
+            if _overlaps(a, b):
+                assert not set(a.request_ids) & set(b.request_ids)
+
+
+def test_pipeline_keeps_several_micro_batches_in_flight(small_model):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    with LLM(small_model, pipeline_parallel_size=2, **ENGINE) as llm:
+        llm.generate(prompts, GREEDY)
+        records = list(llm.engine.iterations)
+    in_flight = sum(_overlaps(a, b) for a, b in zip(records, records[1:]))
+    assert in_flight > len(records) // 2, "micro-batches ran one at a time"
+    # The workers' own stage clocks: stage 0 starts batch k+1 before stage 1 ends batch k.
+    pipelined = sum(b.stage_times[0][0] < a.stage_times[1][1]
+                    for a, b in zip(records, records[1:]))
+    assert pipelined > 0
+
+
+def test_tensor_parallel_weights_are_split(small_model):
+    from stallfree.model.loader import load_model
+
+    whole, _ = load_model(small_model, torch.float32, "cpu")
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    with LLM(small_model, tensor_parallel_size=2, **ENGINE) as llm:
+        per_rank = [w.weight_bytes for w in llm.engine.executor.workers]
+    # Everything but the small norms is split: each rank holds about half.
+    assert all(0.45 * total < b < 0.55 * total for b in per_rank), (per_rank, total)
+
+
+def test_worker_crash_fails_the_request(small_model):
+    llm = LLM(small_model, tensor_parallel_size=2, **ENGINE)
+    procs = llm.engine.executor.procs
+    llm.engine.add_request("a", PROMPTS[6], SamplingParams(max_tokens=200, ignore_eos=True))
+    llm.engine.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - start < 30
+    assert all(p.poll() is not None for p in procs), "a worker outlived the failure"
+
+
+def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypatch):
+    """The multi-machine path: rank 1 started by hand with the torch.distributed env."""
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
+    remote = subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
+    try:
+        with LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == single_tokens[:3]
+        assert remote.wait(timeout=30) == 0
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+
+
+def test_generate_cli_with_parallel_flags(small_model, single_tokens):
+    from stallfree.model.tokenizer import load_tokenizer
+
+    text = load_tokenizer(small_model).decode(PROMPTS[1])
+    cmd = [sys.executable, "-m", "stallfree", "generate", "--model", small_model, "-tp", "2",
+           "-pp", "2", "--max-tokens", "5", "--ignore-eos", "--json", text]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert '"finish_reason": "length"' in done.stdout
+
+
+def test_default_model_tp2_pp2_matches(default_llm):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in default_llm.generate(prompts, params)]
+    with LLM(tensor_parallel_size=2, pipeline_parallel_size=2, token_budget=16,
+             max_model_len=256) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
