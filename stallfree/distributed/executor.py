@@ -73,14 +73,14 @@ class DistributedExecutor:
     def _check(self) -> None:
         """Raises WorkerError (after stopping every worker) if any worker failed."""
         failure = None
-        if self.store.check(["error"]):
+        # A dead process is the root cause; the survivors' errors only echo it.
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                failure = f"worker rank {rank} (pid {proc.pid}) exited with code " \
+                          f"{proc.returncode}"
+                break
+        if failure is None and self.store.check(["error"]):
             failure = channel.get(self.store, "error")
-        else:
-            for rank, proc in enumerate(self.procs):
-                if proc.poll() is not None:
-                    failure = f"worker rank {rank} (pid {proc.pid}) exited with code " \
-                              f"{proc.returncode}"
-                    break
         if failure is not None:
             self.shutdown(grace=1.0)  # the others cannot finish their batch anyway
             raise WorkerError(failure)

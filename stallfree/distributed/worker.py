@@ -10,7 +10,6 @@ import datetime
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +60,10 @@ def main() -> int:
         return 130
     except SystemExit as stop:  # asked to stop, or the engine is gone
         return int(stop.code or 0)
-    except BaseException:  # noqa: BLE001 - report any failure to the engine, then exit
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the engine, then exit
         try:
-            channel.put(store, "error", f"rank {rank}: {traceback.format_exc()}")
+            channel.put(store, "error", f"worker rank {rank} failed: {type(exc).__name__}: "
+                                        f"{str(exc)[:500]} (traceback in its stderr)")
         except Exception:  # noqa: BLE001 - the store itself may be gone
             pass
         raise
