@@ -147,3 +147,47 @@ def test_default_model_tp2_pp2_matches(default_llm):
     with LLM(tensor_parallel_size=2, pipeline_parallel_size=2, token_budget=16,
              max_model_len=256) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_server_with_workers_fails_requests_on_a_crash_and_stops_cleanly(small_model):
+    from openai import OpenAI, APIError
+
+    from server_utils import ServerProcess
+
+    server = ServerProcess("--model", small_model, "-tp", "2", "--max-model-len", "256",
+                           "--served-model-name", "small")
+    try:
+        workers = _children(server.proc.pid)
+        assert len(workers) == 2
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ok = client.completions.create(model="small", prompt=PROMPTS[2], max_tokens=4,
+                                       temperature=0.0)
+        assert ok.choices[0].finish_reason in ("length", "stop")
+        os.kill(workers[1], signal.SIGKILL)
+        with pytest.raises(APIError):
+            client.completions.create(model="small", prompt=PROMPTS[3], max_tokens=50,
+                                      timeout=60)
+        import httpx
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        # Ctrl-C reaches the whole process group: the server and its workers all end.
+        os.killpg(server.proc.pid, signal.SIGINT)
+        server.proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(w) for w in workers), "a worker outlived the server"
+    finally:
+        server.stop()
