@@ -1,0 +1,68 @@
+"""GGUF tensors under Hugging Face names, dequantised lazily, in HF's row order."""
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import numpy as np
+
+from .config import ModelConfig
+from .weights import Fetch, slicer
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name == "rope_freqs.weight":
+        return None  # folded into the config's rope scaling
+    m = _GGUF_BLOCK.match(name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order for Q/K of the llama arch.
+
+    The converter interleaves each head's two rotary halves (rows i and i + d/2 become
+    rows 2i and 2i+1) for its pairwise RoPE; HF's rotate_half wants them split again.
+    """
+    head_dim = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return (w.reshape(n_heads, head_dim // 2, 2, *rest)
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
+    """(HF name, fetch) per tensor; a tensor is dequantised only if it is fetched."""
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        if name is not None:
+            yield name, slicer(lambda t=t, name=name: _gguf_dequantize(t, name, config))
+
+
+def _gguf_dequantize(t, name: str, config: ModelConfig) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    # GGUF lists dims fastest-first; numpy/torch want them reversed.
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
+    if config.architecture == "llama":
+        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+            data = _unpermute_rope_rows(data, config.num_attention_heads)
+        elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+            data = _unpermute_rope_rows(data, config.num_key_value_heads)
+    return data
