@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from .sampling_params import SamplingParams
 from .scheduler import make_scheduler
 from .scheduler.kv_cache import BlockManager
 from .scheduler.output import SchedulerOutput
-from .distributed.executor import DistributedExecutor
+from .distributed.executor import DistributedExecutor, threads_per_worker
 from .distributed.worker import WorkerConfig
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -65,14 +64,6 @@ class _Flight:
     record: IterationRecord
 
 
-def _threads_per_worker(world_size: int) -> int | None:
-    """CPU threads per worker so that workers together use each core once (an
-    OMP_NUM_THREADS the user set wins); oversubscribed OpenMP threads collapse."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def resolve_device(name: str | None) -> torch.device:
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +97,7 @@ class LLMEngine:
             self.executor = DistributedExecutor(WorkerConfig(
                 config.model, str(self.dtype).removeprefix("torch."), self.device.type,
                 parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.seed,
-                _threads_per_worker(parallel.world_size)), parallel)
+                threads_per_worker(parallel.world_size)), parallel)
         else:
             self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         self.tokenizer = load_tokenizer(config.model)

@@ -36,6 +36,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads_per_worker(world_size: int) -> int | None:
+    """CPU threads per local worker so that together they use each core once (an
+    OMP_NUM_THREADS the user set wins): oversubscribed OpenMP threads collapse."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class DistributedExecutor:
     def __init__(self, worker_config: WorkerConfig, parallel: ParallelConfig) -> None:
         self.depth = parallel.pipeline_parallel_size  # micro-batches in flight at most
