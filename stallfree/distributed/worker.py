@@ -133,6 +133,8 @@ def _loop(store: dist.Store, rank: int, shard, model, model_config, dtype: torch
         elif kind == "run":
             start = time.monotonic()
             result = runner.execute(payload)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # kernels run async: time their end, not launch
             if shard.tp_rank == 0:
                 channel.put(store, f"times/{index}/{shard.pp_rank}", (start, time.monotonic()))
             if reporter:
