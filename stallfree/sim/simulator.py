@@ -11,12 +11,10 @@ Pipeline parallelism (PP stages): up to PP micro-batches are in flight; a new
 one is scheduled whenever stage 0 is free. A micro-batch runs the CPU part
 then each stage in turn (waiting for the stage to be free, plus the send
 between stages), and is applied to the scheduler when it leaves the last
-stage. Requests in flight must not be scheduled again: while `schedule`
-runs they are marked non-running (the policies only pick RUNNING requests),
-so they keep their KV blocks and still count against max_num_seqs. If the
-scheduler preempts one of them for memory (it takes victims from the tail of
-`running`, as Sarathi-Serve's does), its in-flight chunk is discarded when
-the micro-batch returns. Uneven micro-batches leave stages idle: bubbles.
+stage. Requests in flight are passed to `schedule` as `busy`, exactly as the
+engine does under PP: they are neither scheduled again nor preempted until
+their micro-batch returns, and they keep their KV blocks and still count
+against max_num_seqs. Uneven micro-batches leave stages idle: bubbles.
 """
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ from dataclasses import dataclass, field
 from ..bench.client import RequestResult, RunResult
 from ..bench.workload import RequestSpec
 from ..config import SchedulerConfig
-from ..request import Request, RequestStatus
+from ..request import Request
 from ..sampling_params import SamplingParams
 from ..scheduler import BlockManager, Scheduler, make_scheduler
 from ..scheduler.output import SchedulerOutput
@@ -68,7 +66,6 @@ class _InFlight:
     end: float
     seq: int
     output: SchedulerOutput = field(compare=False)
-    void: set[str] = field(default_factory=set, compare=False)  # preempted while in flight
 
 
 @dataclass
@@ -143,19 +140,7 @@ class Simulator:
 
     # ---- one scheduling decision ------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
-        hidden = [r for r in self.scheduler.running if r.request_id in self._where]
-        for r in hidden:
-            r.status = RequestStatus.WAITING  # policies only pick RUNNING requests
-        try:
-            out = self.scheduler.schedule(self.now)
-        finally:
-            still = {id(r) for r in self.scheduler.running}
-            for r in hidden:
-                if id(r) in still:
-                    r.status = RequestStatus.RUNNING
-                else:  # preempted for memory while in flight: its result is void
-                    self._where.pop(r.request_id).void.add(r.request_id)
-        return out
+        return self.scheduler.schedule(self.now, frozenset(self._where))
 
     def _launch(self, out: SchedulerOutput) -> None:
         cost = self.cost.iteration(BatchShape.from_output(out))
@@ -178,13 +163,10 @@ class Simulator:
 
     def _complete(self, job: _InFlight) -> None:
         self.now = max(self.now, job.end)
-        chunks = [c for c in job.output.chunks if c.request_id not in job.void]
-        for c in chunks:
-            if self._where.get(c.request_id) is job:
-                del self._where[c.request_id]
-        out = SchedulerOutput(chunks, job.output.preempted) if job.void else job.output
-        sampled = {c.request_id: FAKE_TOKEN for c in chunks if c.samples}
-        self.scheduler.update(out, sampled, job.end)
+        for c in job.output.chunks:
+            del self._where[c.request_id]
+        sampled = {c.request_id: FAKE_TOKEN for c in job.output.chunks if c.samples}
+        self.scheduler.update(job.output, sampled, job.end)
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec]) -> SimResult:
