@@ -75,11 +75,21 @@ def test_parallel_greedy_matches_single_process(small_model, single_tokens, tp, 
                 assert not set(a.request_ids) & set(b.request_ids)
 
 
-def test_pipeline_keeps_several_micro_batches_in_flight(small_model):
+def test_pipeline_keeps_several_micro_batches_in_flight(small_model, single_tokens):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
     with LLM(small_model, pipeline_parallel_size=2, **ENGINE) as llm:
         llm.generate(prompts, GREEDY)
         records = list(llm.engine.iterations)
+        # An abort while its micro-batch is in flight: the others are unaffected.
+        engine = llm.engine
+        for i in range(3):
+            engine.add_request(f"x{i}", PROMPTS[i], GREEDY)
+        engine.step()
+        engine.abort_request("x0")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert [engine.release(f"x{i}").outputs[0].token_ids for i in (1, 2)] \
+            == single_tokens[1:3]
     in_flight = sum(_overlaps(a, b) for a, b in zip(records, records[1:]))
     assert in_flight > len(records) // 2, "micro-batches ran one at a time"
     # The workers' own stage clocks: stage 0 starts batch k+1 before stage 1 ends batch k.
@@ -88,15 +98,22 @@ def test_pipeline_keeps_several_micro_batches_in_flight(small_model):
     assert pipelined > 0
 
 
-def test_tensor_parallel_weights_are_split(small_model):
+def test_tensor_parallel_weights_are_split(small_model, single_tokens):
     from stallfree.model.loader import load_model
 
     whole, _ = load_model(small_model, torch.float32, "cpu")
     total = sum(p.numel() * p.element_size() for p in whole.parameters())
     with LLM(small_model, tensor_parallel_size=2, **ENGINE) as llm:
         per_rank = [w.weight_bytes for w in llm.engine.executor.workers]
+        # A new KV cache size reaches every rank (a tiny one forces preemptions).
+        # 6 blocks of 16 tokens; per rank a token is 4 layers x K and V x 1 head x 16 x 4 B.
+        llm.reconfigure(kv_cache_memory=6 * 16 * 4 * 2 * 16 * 4)
+        assert llm.engine.block_manager.num_total_blocks == 6
+        outputs = llm.generate(PROMPTS[:4], GREEDY)
+        assert sum(o.outputs[0].num_preemptions for o in outputs) > 0
     # Everything but the small norms is split: each rank holds about half.
     assert all(0.45 * total < b < 0.55 * total for b in per_rank), (per_rank, total)
+    assert [o.token_ids for o in outputs] == single_tokens[:4]
 
 
 def test_worker_crash_fails_the_request(small_model):
