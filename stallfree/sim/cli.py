@@ -61,6 +61,9 @@ def _add_common(p: argparse.ArgumentParser, suppress: bool) -> None:
     d.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     d.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="KV cache bytes per rank, e.g. 1GiB (default: from GPU memory)")
+    d.add_argument("--cpu-slowdown", type=float, default=None,
+                   help="--gpu cpu: wall seconds per CPU second of the engine (default: the "
+                        "profile's host.json; 1 = a core of its own)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", type=_words, default=["sarathi"], help="one (or, for capacity, "
                    "a comma list crossed with --token-budget)")
@@ -122,7 +125,7 @@ def _deployment(args: argparse.Namespace) -> Any:
 
     return Deployment(args.model, args.gpu, args.tp, args.pp, args.node, args.profile_dir,
                       args.roofline, args.calibration, args.block_size, args.watermark,
-                      args.gpu_memory_utilization, args.kv_cache_memory)
+                      args.gpu_memory_utilization, args.kv_cache_memory, args.cpu_slowdown)
 
 
 def _systems(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]]:

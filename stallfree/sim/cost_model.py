@@ -6,9 +6,10 @@ One iteration on a TP x PP replica costs
 - `stage`: one pipeline stage on the device: its share of the layers, each
   the sum of its token-level ops (by total tokens), its attention (each
   prefill chunk by size and cached tokens, the decodes by count and mean
-  context) and its TP all-reduces (by message size), plus embedding and LM
-  head;
+  context, or the longest one for a kernel that pads to it) and its TP
+  all-reduces (by message size), plus embedding and LM head;
 - `send`: activations to the next stage (PP > 1 only).
+A profiled CPU's CPU-second times are scaled by its host slowdown (wall per CPU second).
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ class BatchShape:
     num_decodes: int = 0
     decode_context_sum: int = 0  # cached tokens the decodes attend to, summed
     num_sampled: int = 0
+    # The longest decode context (0: take the mean). A kernel that pads every request's
+    # KV to the longest one (this engine's CPU attention) costs batch x this, not the sum.
+    decode_context_max: int = 0
+
+    @property
+    def decode_context_mean(self) -> float:
+        return self.decode_context_sum / self.num_decodes if self.num_decodes else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +58,7 @@ class BatchShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> BatchShape:
-        prefills, decodes, ctx, sampled = [], 0, 0, 0
+        prefills, decodes, ctx, longest, sampled = [], 0, 0, 0, 0
         for c in out.chunks:
             sampled += c.samples
             if c.is_prefill:
@@ -58,11 +66,12 @@ class BatchShape:
             else:
                 decodes += 1
                 ctx += c.start + 1
-        return cls(tuple(prefills), decodes, ctx, sampled)
+                longest = max(longest, c.start + 1)
+        return cls(tuple(prefills), decodes, ctx, sampled, longest)
 
     @classmethod
     def decode(cls, batch: int, context: int) -> BatchShape:
-        return cls((), batch, batch * context, batch)
+        return cls((), batch, batch * context, batch, context)
 
     @classmethod
     def prefill(cls, chunk: int, cached: int = 0, samples: bool = True) -> BatchShape:
@@ -128,6 +137,7 @@ class ProfiledCostModel:
     linear: str = "auto"  # auto | roofline
     attention: str = "auto"  # auto | roofline
     extra_cpu: tuple[float, float] = (0.0, 0.0)  # calibration: + a + b * requests per iteration
+    slowdown: float | None = None  # wall per CPU second; None: the profile's host.json, else 1
     sources: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +161,9 @@ class ProfiledCostModel:
             self.sources["cpu"] = f"{cpu} {self._cpu_key}"
         else:
             self.sources["cpu"] = "none (0 s)"
+        if self.slowdown is None:
+            self.slowdown = P.load_host_slowdown(self.root, self.gpu.name) or 1.0
+        self.sources["host"] = f"x{self.slowdown:.3g} wall per CPU second"
 
     # ---- token-level ops -----------------------------------------------------------------
     def _setup_linear(self) -> None:
@@ -232,8 +245,10 @@ class ProfiledCostModel:
         if self._attn is not None:
             t = sum(self._attn.prefill_time(c, k) for c, k in b.prefills) * self._q_ratio
             if b.num_decodes:
-                t += self._attn.decode_time(b.num_decodes, b.decode_context_sum / b.num_decodes) \
-                    * self._kv_ratio
+                ctx = b.decode_context_mean
+                if self._attn.padded_decode:
+                    ctx = max(ctx, b.decode_context_max)
+                t += self._attn.decode_time(b.num_decodes, ctx) * self._kv_ratio
             return t
         eff, t = self._attn_eff, 0.0
         for c, k in b.prefills:
@@ -278,12 +293,14 @@ class ProfiledCostModel:
         cpu = self.extra_cpu[0] + self.extra_cpu[1] * b.num_seqs
         if self._cpu is not None:
             cpu += self._cpu.time(self._cpu_key, b.num_seqs, self.tp * self.pp > 1)
-        return IterationCost(cpu, stage, self._send(tokens))
+        k = self.slowdown
+        return IterationCost(cpu * k, stage * k, self._send(tokens))
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "profiled", "model": self.model.name, "gpu": self.gpu.name,
                 "tp": self.tp, "pp": self.pp, "node": self.node,
-                "extra_cpu_s": list(self.extra_cpu), "sources": dict(self.sources)}
+                "extra_cpu_s": list(self.extra_cpu), "slowdown": self.slowdown,
+                "sources": dict(self.sources)}
 
 
 def _shape_as_model(p: P.MlpProfile) -> ModelSpec:

@@ -6,9 +6,17 @@ Writes, under `--out` (default ./profiles), for device `cpu` (or --device-name):
                                              plus an `lm_head` op (logits of sampled rows)
     <device>/compute/attention_n<H>_q<Q>_kv<K>_tp1.csv
                                              the engine's paged_attention, prefill chunks by
-                                             cached tokens and decode batches by context
+                                             cached tokens, decode batches by gathered tokens
     <device>/cpu_overheads.csv               per-iteration time of real `LLMEngine.step()`
                                              decode batches minus the summed op times above
+    <device>/host.json                       wall seconds per CPU second of those steps
+
+Times are CPU seconds of this process, not wall seconds: an op's microbenchmark
+(microseconds) is never preempted while a whole iteration (tenths of a second) shares
+the core with whatever else runs, so wall-clock medians would mix a quiet machine
+(ops) with a busy one (steps). The busy machine is one factor, `wall_per_cpu` in
+host.json, that the cost model applies to every iteration (1.0 on a quiet core; override
+with `stallfree simulate --cpu-slowdown`).
 
 Then `stallfree simulate --gpu cpu --profile-dir <out> --model smollm2-135m ...` predicts
 this machine. The default grid runs in about two minutes on two cores; --quick is a smoke run.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import statistics
 import time
@@ -24,13 +33,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# Decode attention here gathers batch x longest-context tokens of KV; its cost follows that
+# count, with a cliff near 42K tokens (x2.5 per token, much of it system time: likely the
+# gathered K/V passing glibc's 32 MiB mmap threshold, so every layer faults in fresh pages)
+# that a loaded server reaches (45 requests near 1K tokens). So the decode grid is a list of
+# gathered-token counts, dense around the cliff, read by each batch size at context =
+# tokens / batch (contexts 16 to 2048).
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
-        "batches": [1, 2, 4, 8, 16, 32, 64, 128], "contexts": [32, 256, 1024, 2048],
-        "step_batches": [1, 4, 16, 32, 64], "repeats": 5, "max_decode_tokens": 65536}
+        "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],
+        "decode_tokens": [32, 128, 512, 2048, 8192, 16384, 24576, 32768, 36864, 40960, 43008,
+                          45056, 49152, 57344, 65536, 98304, 131072],
+        "step_batches": [1, 4, 16, 32, 64], "repeats": 5}
 QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
-         "batches": [1, 4], "contexts": [32, 256], "step_batches": [1, 4], "repeats": 2,
-         "max_decode_tokens": 4096}
+         "batches": [1, 4], "decode_tokens": [32, 256, 1024], "step_batches": [1, 4],
+         "repeats": 2}
+MIN_CONTEXT, MAX_CONTEXT = 16, 2048
 PROMPT_LEN = 32  # prompts of the engine-step runs: short, so their prefills stay cheap
 BLOCK = 16
 LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
@@ -54,13 +72,15 @@ def _stats(ms: list[float]) -> dict[str, float]:
             "median": statistics.median(ms), "std": statistics.pstdev(ms)}
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
-    fn()  # warm-up: first calls allocate
+def _time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """CPU milliseconds of `fn` (all threads of this process): other processes don't count."""
+    for _ in range(warmup):  # first calls allocate
+        fn()
     ms = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        ms.append((time.perf_counter() - t) * 1e3)
+        ms.append((time.process_time() - t) * 1e3)
     return _stats(ms)
 
 
@@ -127,27 +147,35 @@ def profile_attention(cfg: Any, grid: dict[str, Any], torch: Any, dev: Any,
                       dt: Any) -> list[dict[str, Any]]:
     """The engine's paged_attention for one layer: prefill (chunk, cached), decode (batch, ctx)."""
     cases = [(1, c, k) for c in grid["chunks"] for k in grid["cached"] if c + k <= 4096]
-    cases += [(b, 0, ctx) for b in grid["batches"] for ctx in grid["contexts"]
-              if b * ctx <= grid["max_decode_tokens"]]
-    return [_attention_row(cfg, b, c, k, grid["repeats"], torch, dev, dt) for b, c, k in cases]
+    cases += [(b, 0, ctx) for b in grid["batches"]
+              for ctx in sorted({n // b for n in grid["decode_tokens"]})
+              if MIN_CONTEXT <= ctx <= MAX_CONTEXT]
+    # One KV cache for every case, allocated once like the engine's: a fresh cache per case
+    # would move malloc's mmap threshold and make the gathers' page faults depend on the order.
+    blocks = max(b * -(-(k + max(c, 1)) // BLOCK) for b, c, k in cases)
+    cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
+                        device=dev)
+    return [_attention_row(cfg, b, c, k, grid["repeats"], torch, cache) for b, c, k in cases]
 
 
 def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, torch: Any,
-                   dev: Any, dt: Any) -> dict[str, Any]:
+                   cache: Any) -> dict[str, Any]:
     """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
     from ..model.attention import AttentionMetadata, paged_attention
 
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev, dt = cache.device, cache.dtype
     prefill = chunk > 0
     per_seq = -(-(cached + max(chunk, 1)) // BLOCK)
-    cache = torch.zeros(2, per_seq * batch, BLOCK, hkv, hd, dtype=dt, device=dev)
     seqs = [(cached if prefill else cached - 1, chunk if prefill else 1,
              list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
     meta = AttentionMetadata.build(seqs, BLOCK, dev)
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
-    s = _time(lambda: paged_attention(q, k, v, cache, meta, hd ** -0.5), repeats)
+    # The engine runs each gather 30 times an iteration (a layer each), so malloc has settled
+    # on where its tens of MB come from; a single warm-up call leaves that to chance.
+    s = _time(lambda: paged_attention(q, k, v, cache, meta, hd ** -0.5), repeats, warmup=3)
     zero = _stats([0.0])
     timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
                                                                      "attn_prefill")
@@ -156,18 +184,20 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
     return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
                   "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
                   "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
-                  "attention_backend": "stallfree.paged_attention", "profile_method": "wall"}
+                  "attention_backend": "stallfree.paged_attention", "profile_method": "cpu"}
 
 
-def profile_steps(engine: Any, grid: dict[str, Any]) -> dict[int, tuple[float, int]]:
-    """Median `LLMEngine.step()` of decode-only batches: batch -> (seconds, mean context)."""
+def profile_steps(engine: Any, grid: dict[str, Any]) -> tuple[dict[int, tuple[float, int]],
+                                                               float]:
+    """Median CPU time of `LLMEngine.step()` on decode-only batches: batch -> (seconds, mean
+    context); and the wall seconds per CPU second of all those steps."""
     import random
 
     from ..sampling_params import SamplingParams
 
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    out = {}
+    out, wall, cpu = {}, 0.0, 0.0
     for b in grid["step_batches"]:
         ids = [f"p{b}-{i}" for i in range(b)]
         for rid in ids:
@@ -178,14 +208,15 @@ def profile_steps(engine: Any, grid: dict[str, Any]) -> dict[int, tuple[float, i
         engine.step()  # warm-up decode
         ms = []
         for _ in range(grid["repeats"] + 2):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             engine.step()
-            ms.append(time.perf_counter() - t)
+            ms.append(time.process_time() - c)
+            wall, cpu = wall + time.perf_counter() - t, cpu + ms[-1]
         ctx = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
         out[b] = (statistics.median(ms), int(ctx))
         for rid in ids:
             engine.abort_request(rid)
-    return out
+    return out, wall / cpu
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -214,16 +245,17 @@ def run_profile(args: argparse.Namespace) -> int:
         _write(root / name / "compute" / f"attention_n{cfg.num_attention_heads * cfg.head_dim}"
                f"_q{cfg.num_attention_heads}_kv{cfg.num_key_value_heads}_tp1.csv",
                profile_attention(cfg, grid, torch, device, engine.dtype))
-        steps = profile_steps(engine, grid)
+        steps, wall_per_cpu = profile_steps(engine, grid)
     spec = ModelSpec(org_model, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
                      cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                      cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                      profile_name=org_model)
-    ops = ProfiledCostModel(spec, GpuSpec(name, 0, 1e12, 1e10, 1e10, None), root=root)
+    ops = ProfiledCostModel(spec, GpuSpec(name, 0, 1e12, 1e10, 1e10, None), root=root,
+                            slowdown=1.0)  # CPU seconds, as measured
     rows = []
     for b, (seconds, ctx) in sorted(steps.items()):
         residual = max(0.0, seconds - ops.iteration(BatchShape.decode(b, ctx)).stage) * 1e3
-        print(f"  decode batch {b:4d} (context {ctx}): step {seconds * 1e3:.2f} ms, "
+        print(f"  decode batch {b:4d} (context {ctx}): step {seconds * 1e3:.2f} ms CPU, "
               f"outside the ops {residual:.2f} ms", flush=True)
         parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": residual,
                  "process_model_outputs": 0.0}
@@ -231,5 +263,9 @@ def run_profile(args: argparse.Namespace) -> int:
                     | {"model_name": org_model, "batch_size": b, "tensor_parallel_degree": 1,
                        "ray_comm_time_mean": 0.0})
     _write(root / name / "cpu_overheads.csv", rows)
+    host = {"wall_per_cpu": round(wall_per_cpu, 4), "threads": torch.get_num_threads(),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (root / name / "host.json").write_text(json.dumps(host, indent=1) + "\n")
+    print(f"  wall per CPU second of the steps: {wall_per_cpu:.2f} (1.0 on a quiet core)")
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0

@@ -7,6 +7,7 @@ its SOURCES.md; `stallfree profile` writes the same layout for this machine):
     <device>/compute/attention*.csv            attention by (chunk, cached) / (batch, context)
     <device>/network/<node>/{all_reduce,send_recv}.csv
     <device>/cpu_overheads.csv                 serving-system CPU time by batch size
+    <device>/host.json                         wall per CPU second while profiled (CPU only)
 
 Every time is read from the `time_stats.<op>.median` column (milliseconds in
 the files) and returned in seconds. Outside a grid, times grow with the work
@@ -19,6 +20,7 @@ import bisect
 import csv
 import functools
 import glob
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,6 +28,9 @@ from pathlib import Path
 
 PROFILE_ROOT = Path(__file__).resolve().parent.parent / "data" / "profiles"
 MS = 1e-3
+# Attention backends whose decode gathers every request's KV up to the batch's longest
+# context (a dense padded tensor): their decode cost follows batch x longest context.
+PADDED_DECODE_BACKENDS = ("stallfree.paged_attention",)
 
 # Token-level ops of one decoder layer in mlp.csv ("emb" is per model, not per layer).
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
@@ -106,6 +111,7 @@ class AttentionProfile:
     # prefill: chunk -> (cached tokens, s); decode: batch -> (context, s)
     prefill: dict[int, tuple[list[float], list[float]]]
     decode: dict[int, tuple[list[float], list[float]]]
+    padded_decode: bool = False  # decode cost by the longest context, not the mean
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AttentionProfile:
@@ -127,7 +133,8 @@ class AttentionProfile:
                 if t is not None:
                     dec[int(r["batch_size"])][float(r["kv_cache_size"])].append(t + reshape)
         return cls(str(path), q, kv, int(r0["n_embd"]) // int(r0["n_q_head"]),
-                   {c: _grid(p) for c, p in pre.items()}, {b: _grid(p) for b, p in dec.items()})
+                   {c: _grid(p) for c, p in pre.items()}, {b: _grid(p) for b, p in dec.items()},
+                   r0.get("attention_backend") in PADDED_DECODE_BACKENDS)
 
     @functools.cached_property
     def _chunks(self) -> list[int]:
@@ -161,19 +168,26 @@ class AttentionProfile:
         return (ts[0] if k <= ks[0] else interp(ks, ts, k)), ks[-1]
 
     def decode_time(self, batch: int, context: float) -> float:
-        """A decode batch of `batch` requests whose mean context is `context` tokens."""
+        """A decode batch of `batch` requests at `context` tokens (the mean, or the longest
+        for a padded backend)."""
         batches = self._batches
         b = min(max(batch, batches[0]), batches[-1])
         i = bisect.bisect_left(batches, b)
         if batches[i] == b:
-            t, cmax = self._decode_row(b, context)
-        else:
+            t = self._decode_at(b, b, context)
+        else:  # between two profiled batch sizes: linear in the batch size
             b0, b1 = batches[i - 1], batches[i]
-            t0, c0 = self._decode_row(b0, context)
-            t1, c1 = self._decode_row(b1, context)
-            t, cmax = t0 + (b - b0) / (b1 - b0) * (t1 - t0), min(c0, c1)
-        # Outside the grid: KV bytes read grow with batch * context.
-        return t * max(1.0, batch * context / (b * min(context, cmax)))
+            t0, t1 = self._decode_at(b0, b, context), self._decode_at(b1, b, context)
+            t = t0 + (b - b0) / (b1 - b0) * (t1 - t0)
+        return t * max(1.0, batch / b)  # beyond the largest batch: linear in requests
+
+    def _decode_at(self, row: int, batch: int, context: float) -> float:
+        """Profiled batch `row` read for `batch` x `context`: at the same context, or for a
+        padded kernel at the same gathered tokens (its cliffs are in tokens, not context);
+        beyond the row's longest context, linear in tokens."""
+        ctx = batch * context / row if self.padded_decode else context
+        t, cmax = self._decode_row(row, ctx)
+        return t * max(1.0, ctx / cmax)
 
     def _decode_row(self, batch: int, context: float) -> tuple[float, float]:
         cs, ts = self.decode[batch]
@@ -287,3 +301,9 @@ def network_path(root: Path, device: str, node: str | None, collective: str) -> 
 def cpu_path(root: Path, device: str) -> str | None:
     path = root / device / "cpu_overheads.csv"
     return str(path) if path.is_file() else None
+
+
+def load_host_slowdown(root: Path, device: str) -> float | None:
+    """Wall seconds per CPU second of the profiled host (`stallfree profile` on a CPU)."""
+    path = root / device / "host.json"
+    return float(json.loads(path.read_text())["wall_per_cpu"]) if path.is_file() else None

@@ -42,6 +42,7 @@ class Deployment:
     watermark: float = 0.01
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
+    cpu_slowdown: float | None = None  # wall per CPU second (default: the profile's host.json)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -62,7 +63,7 @@ class Deployment:
         mode = "roofline" if self.roofline else "auto"
         return ProfiledCostModel(get_model(self.model), get_gpu(self.gpu), self.tp, self.pp,
                                  self.node, Path(self.profile_dir or PROFILE_ROOT), mode, mode,
-                                 extra)
+                                 extra, self.cpu_slowdown)
 
     def num_blocks(self, sched: SchedulerConfig) -> int:
         gpu = get_gpu(self.gpu)

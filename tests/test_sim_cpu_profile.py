@@ -1,0 +1,121 @@
+"""The CPU cost model: decode attention padded to the longest context, on hand-made profiles."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stallfree.request import Request
+from stallfree.sampling_params import SamplingParams
+from stallfree.scheduler.output import ScheduledChunk, SchedulerOutput
+from stallfree.sim import profiles as P
+from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
+from stallfree.sim.hardware import CPU, MODELS
+from stallfree.sim.profile import _cols, _stats, _write
+
+SMOL = MODELS["smollm2-135m"]
+OP_MS = 0.01  # every token-level op, every token count
+# Decode attention per layer (ms) by (batch, context): superlinear in context, as on this CPU.
+DECODE_MS = {(1, 100): 0.1, (1, 1000): 1.0, (8, 100): 0.8, (8, 1000): 40.0}
+
+
+def write_cpu_profile(root: Path, backend: str) -> None:
+    """The three files `stallfree profile` writes, with the numbers above."""
+    dev = root / "cpu"
+    shape = {"n_head": 9, "n_kv_head": 3, "n_embd": 576, "n_expanded_embd": 1536,
+             "vocab_size": 49152, "use_gated_mlp": True, "num_tensor_parallel_workers": 1}
+    ops = [*P.LAYER_OPS, "emb", "lm_head"]
+    _write(dev / "compute" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "mlp.csv",
+           [{k: v for op in ops for k, v in _cols(op, _stats([OP_MS])).items()}
+            | shape | {"num_tokens": n} for n in (1, 1024)])
+    rows = []
+    for (batch, chunk, cached), ms in [((1, 64, 0), 1.0), ((1, 64, 512), 2.0),
+                                       *(((b, 0, c), ms) for (b, c), ms in DECODE_MS.items())]:
+        timed, blank = ("attn_prefill", "attn_decode") if chunk else ("attn_decode",
+                                                                       "attn_prefill")
+        rows.append(_cols(timed, _stats([ms])) | {k: "" for k in _cols(blank, _stats([0]))}
+                    | {"n_embd": 576, "n_q_head": 9, "n_kv_head": 3,
+                       "num_tensor_parallel_workers": 1, "batch_size": batch,
+                       "prefill_chunk_size": chunk, "kv_cache_size": cached,
+                       "is_prefill": bool(chunk), "attention_backend": backend})
+    _write(dev / "compute" / "attention_n576_q9_kv3_tp1.csv", rows)
+    _write(dev / "cpu_overheads.csv", [
+        {"prepare_inputs_e2e_median": 1.0, "model_name": SMOL.profile_name, "batch_size": b,
+         "tensor_parallel_degree": 1, "ray_comm_time_mean": 0.0} for b in (1, 8)])
+
+
+@pytest.fixture
+def padded(tmp_path: Path) -> ProfiledCostModel:
+    write_cpu_profile(tmp_path / "padded", "stallfree.paged_attention")
+    return ProfiledCostModel(SMOL, CPU, root=tmp_path / "padded")
+
+
+@pytest.fixture
+def varlen(tmp_path: Path) -> ProfiledCostModel:
+    write_cpu_profile(tmp_path / "varlen", "flashinfer")
+    return ProfiledCostModel(SMOL, CPU, root=tmp_path / "varlen")
+
+
+def _decode_chunk(rid: str, context: int) -> ScheduledChunk:
+    """The decode of a request whose `context` tokens are all but the last one cached."""
+    req = Request(rid, list(range(1, context + 1)), SamplingParams(max_tokens=4), 0.0)
+    return ScheduledChunk(req, context - 1, 1, [])
+
+
+def _attention_ms(cost: ProfiledCostModel, batch: BatchShape) -> float:
+    """Attention per layer: the stage time less the ops and ends (every op costs OP_MS)."""
+    ops = len(P.LAYER_OPS) * OP_MS * SMOL.num_layers + OP_MS * (1 + bool(batch.num_sampled))
+    return (cost.iteration(batch).stage * 1e3 - ops) / SMOL.num_layers
+
+
+def test_batch_shape_keeps_the_longest_decode_context():
+    out = SchedulerOutput([_decode_chunk(str(i), c) for i, c in enumerate((100, 100, 1000))])
+    b = BatchShape.from_output(out)
+    assert (b.num_decodes, b.decode_context_sum, b.decode_context_max) == (3, 1200, 1000)
+    assert b.decode_context_mean == 400
+    assert BatchShape.decode(8, 100).decode_context_max == 100
+
+
+def test_the_backend_column_says_whether_decodes_are_padded(padded, varlen):
+    assert padded._attn.padded_decode and not varlen._attn.padded_decode
+
+
+def test_padded_decode_costs_the_longest_context(padded, varlen):
+    # 8 decodes, one at context 1000 and seven at 100 (mean 212.5).
+    mixed = BatchShape((), 8, 7 * 100 + 1000, 8, 1000)
+    assert _attention_ms(padded, mixed) == pytest.approx(DECODE_MS[(8, 1000)])
+    mean = DECODE_MS[(8, 100)] + (212.5 - 100) / 900 * (DECODE_MS[(8, 1000)] - DECODE_MS[(8, 100)])
+    assert _attention_ms(varlen, mixed) == pytest.approx(mean)
+    # Equal contexts: both backends agree.
+    same = BatchShape.decode(8, 1000)
+    assert _attention_ms(padded, same) == pytest.approx(_attention_ms(varlen, same))
+
+
+def test_between_batch_sizes_padded_rows_are_read_at_equal_gathered_tokens(padded, varlen):
+    # 4 x 100 = 400 tokens: batch 1 at context 400 (0.4 ms), batch 8 at 50 (its edge, 0.8).
+    assert _attention_ms(padded, BatchShape.decode(4, 100)) == pytest.approx(0.4 + 3 / 7 * 0.4)
+    # A varlen kernel: both rows at context 100.
+    assert _attention_ms(varlen, BatchShape.decode(4, 100)) == pytest.approx(
+        DECODE_MS[(1, 100)] + 3 / 7 * (DECODE_MS[(8, 100)] - DECODE_MS[(1, 100)]))
+
+
+def test_outside_the_grid_time_grows_with_the_work_and_never_shrinks(padded, varlen):
+    for cost in (padded, varlen):
+        assert _attention_ms(cost, BatchShape.decode(16, 2000)) == pytest.approx(
+            DECODE_MS[(8, 1000)] * 4)
+        assert _attention_ms(cost, BatchShape.decode(1, 10)) == pytest.approx(
+            DECODE_MS[(1, 100)])
+
+
+def test_host_slowdown_scales_every_iteration(tmp_path: Path):
+    write_cpu_profile(tmp_path, "stallfree.paged_attention")
+    quiet = ProfiledCostModel(SMOL, CPU, root=tmp_path)
+    assert quiet.slowdown == 1.0  # no host.json: a core of its own
+    (tmp_path / "cpu" / "host.json").write_text('{"wall_per_cpu": 2.5}')
+    busy = ProfiledCostModel(SMOL, CPU, root=tmp_path)
+    given = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.5)
+    batch = BatchShape(((64, 512),), 8, 800, 9, 100)
+    base, slow = quiet.iteration(batch), busy.iteration(batch)
+    assert (slow.cpu, slow.stage) == pytest.approx((2.5 * base.cpu, 2.5 * base.stage))
+    assert given.iteration(batch).total() == pytest.approx(1.5 * base.total())
+    assert busy.describe()["slowdown"] == 2.5
