@@ -104,6 +104,18 @@ def test_one_chunk_per_token_and_llamacpp_closing_chunk():
     assert r.chunk_times == [1.0, 2.0] and r.token_count_exact
 
 
+def test_final_usage_on_the_closing_chunk_is_not_continuous_usage():
+    # llama-server (b1-0c1e570) puts the final usage on its closing chunk, beside choices.
+    r = RequestResult(0, 4, 3, 0.0, 0.0)
+    s = _Stream(r)
+    for t in range(3):
+        s.chunk(_chunk(), float(t))
+    s.chunk(_chunk("", "length", usage={"prompt_tokens": 4, "completion_tokens": 3}), 3.0)
+    s.finish()
+    assert r.chunk_times == [0.0, 1.0, 2.0] and r.chunk_tokens == [1, 1, 1]
+    assert r.output_len == 3 and r.token_count_exact and r.usage_prompt_tokens == 4
+
+
 def test_continuous_usage_counts_tokens_per_chunk():
     r = RequestResult(0, 5, 6, 0.0, 0.0)
     s = _Stream(r)

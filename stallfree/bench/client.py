@@ -139,6 +139,11 @@ class _Stream:
             if isinstance(usage, dict):
                 self.final_usage = usage
             return
+        if cum is not None and self.cum_usage is None and r.chunk_times:
+            # Usage first seen after tokens counted without it: not continuous usage but
+            # the final usage on the closing chunk (llama.cpp's server sends it there).
+            self.final_usage = usage
+            cum = None
         if cum is not None:  # continuous usage: exact tokens in this chunk
             n = cum - (self.cum_usage or 0)
             self.cum_usage = cum
