@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import statistics
@@ -44,11 +45,14 @@ FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],
         "decode_tokens": [32, 128, 512, 2048, 8192, 16384, 24576, 32768, 36864, 40960, 43008,
                           45056, 49152, 57344, 65536, 98304, 131072],
-        "step_batches": [1, 4, 16, 32, 64], "repeats": 5}
+        "step_batches": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "repeats": 5}
 QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
          "batches": [1, 4], "decode_tokens": [32, 256, 1024], "step_batches": [1, 4],
          "repeats": 2}
 MIN_CONTEXT, MAX_CONTEXT = 16, 2048
+COLD_BYTES = 128 << 20  # KV read between two calls of one case: more than the CPU caches
+# Engine steps (for the time outside the ops) are dense at small batches: a light load runs
+# 1-8 decodes an iteration, where the step time is far from linear in the batch size.
 PROMPT_LEN = 32  # prompts of the engine-step runs: short, so their prefills stay cheap
 BLOCK = 16
 LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
@@ -152,30 +156,53 @@ def profile_attention(cfg: Any, grid: dict[str, Any], torch: Any, dev: Any,
               if MIN_CONTEXT <= ctx <= MAX_CONTEXT]
     # One KV cache for every case, allocated once like the engine's: a fresh cache per case
     # would move malloc's mmap threshold and make the gathers' page faults depend on the order.
-    blocks = max(b * -(-(k + max(c, 1)) // BLOCK) for b, c, k in cases)
+    layers = cfg.num_hidden_layers
+    size = torch.tensor([], dtype=dt).element_size()
+    blocks = max(b * _blocks(c, k) * _copies(b * _blocks(c, k), cfg, layers, size)
+                 for b, c, k in cases)
     cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
                         device=dev)
-    return [_attention_row(cfg, b, c, k, grid["repeats"], torch, cache) for b, c, k in cases]
+    return [_attention_row(cfg, b, c, k, grid["repeats"], torch, cache, layers, size)
+            for b, c, k in cases]
+
+
+def _blocks(chunk: int, cached: int) -> int:
+    """KV blocks of one request: its cached tokens plus this chunk (one token for a decode)."""
+    return -(-(cached + max(chunk, 1)) // BLOCK)
+
+
+def _copies(blocks: int, cfg: Any, layers: int, itemsize: int) -> int:
+    """How many disjoint copies of a case's KV to rotate through so each call reads it cold.
+
+    The engine reads a different layer's KV for each of its `layers` calls an iteration, so
+    its KV comes from memory, not the caches; reading one copy again and again would be too
+    fast by up to a quarter at the contexts a light load reaches (8 MB of KV a layer).
+    """
+    nbytes = 2 * blocks * BLOCK * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return max(1, min(layers, -(-COLD_BYTES // nbytes)))
 
 
 def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, torch: Any,
-                   cache: Any) -> dict[str, Any]:
+                   cache: Any, layers: int, itemsize: int) -> dict[str, Any]:
     """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
     from ..model.attention import AttentionMetadata, paged_attention
 
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = cache.device, cache.dtype
     prefill = chunk > 0
-    per_seq = -(-(cached + max(chunk, 1)) // BLOCK)
-    seqs = [(cached if prefill else cached - 1, chunk if prefill else 1,
-             list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
-    meta = AttentionMetadata.build(seqs, BLOCK, dev)
+    per_seq = _blocks(chunk, cached)
+    case = batch * per_seq
+    metas = itertools.cycle([AttentionMetadata.build(
+        [(cached if prefill else cached - 1, chunk if prefill else 1,
+          list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
+         for i in range(batch)], BLOCK, dev) for j in range(_copies(case, cfg, layers, itemsize))])
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
     # The engine runs each gather 30 times an iteration (a layer each), so malloc has settled
     # on where its tens of MB come from; a single warm-up call leaves that to chance.
-    s = _time(lambda: paged_attention(q, k, v, cache, meta, hd ** -0.5), repeats, warmup=3)
+    s = _time(lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), repeats,
+              warmup=3)
     zero = _stats([0.0])
     timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
                                                                      "attn_prefill")
