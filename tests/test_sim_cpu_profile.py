@@ -119,3 +119,12 @@ def test_host_slowdown_scales_every_iteration(tmp_path: Path):
     assert (slow.cpu, slow.stage) == pytest.approx((2.5 * base.cpu, 2.5 * base.stage))
     assert given.iteration(batch).total() == pytest.approx(1.5 * base.total())
     assert busy.describe()["slowdown"] == 2.5
+
+
+def test_a_deployment_passes_its_slowdown_to_the_cost_model(tmp_path: Path):
+    from stallfree.sim.runner import Deployment
+
+    write_cpu_profile(tmp_path, "stallfree.paged_attention")
+    dep = Deployment("smollm2-135m", "cpu", profile_dir=str(tmp_path), cpu_slowdown=1.5)
+    assert dep.cost_model().slowdown == 1.5
+    assert Deployment("smollm2-135m", "cpu", profile_dir=str(tmp_path)).cost_model().slowdown == 1
