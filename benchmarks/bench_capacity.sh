@@ -160,9 +160,13 @@ fi
 step plot || exit 0
 RATE=$(printf '%.4f' "${PLOT_RATE:-$START}")
 shopt -s nullglob
-CAPS=("$OUT"/cap_*.json)
+# The low-rate strict searches last: their result replaces the main search's failed one.
+CAPS=() LOWS=()
+for f in "$OUT"/cap_*.json; do
+  if [[ $f == *-low.json ]]; then LOWS+=("$f"); else CAPS+=("$f"); fi
+done
 (( ${#CAPS[@]} )) || { echo "no capacity results in $OUT"; exit 1; }
-"$PY" -m stallfree bench plot "$OUT"/cap_*.json "$OUT"/trials/*_rate"$RATE".json \
+"$PY" -m stallfree bench plot "${CAPS[@]}" ${LOWS[@]+"${LOWS[@]}"} "$OUT"/trials/*_rate"$RATE".json \
   --out-dir "$OUT/png" --tbt-slo "$STRICT"
 "$PY" - "$OUT" <<'PYEOF'
 import glob, json, sys
