@@ -102,7 +102,6 @@ class LLMEngine:
             self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
-        self.runner: ModelRunner | None = None
         self._in_flight: deque[_Flight] = deque()
         self.reconfigure(config.scheduler, config.cache)
 
@@ -122,21 +121,25 @@ class LLMEngine:
         if isinstance(self.executor, DistributedExecutor):
             self.executor.reset_kv(num_blocks, block_size)
         else:
-            self.runner = self.executor = None  # drop the old KV cache before the new one
-            self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
-                                      self.dtype, self.device, seed=self.config.seed)
-            self.executor = LocalExecutor(self.runner)
+            self.executor = None  # drop the old KV cache before allocating the new one
+            self.executor = LocalExecutor(ModelRunner(
+                self.model, self.model_config, num_blocks, block_size, self.dtype, self.device,
+                seed=self.config.seed))
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The in-process model runner; None when the weights live in worker processes."""
+        return self.executor.runner if isinstance(self.executor, LocalExecutor) else None
 
     # ---- capacity -------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         """Blocks every rank can hold (the block table is shared): sized by the rank
         with the most KV per token; kv_cache_memory is per rank."""
         cache, parallel = self.config.cache, self.config.parallel
-        shards = [Shard(r % parallel.tensor_parallel_size, parallel.tensor_parallel_size,
-                        r // parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        shards = [Shard.of_rank(r, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
                   for r in range(parallel.world_size)]
         block_bytes = max(kv_cache_bytes_per_token(self.model_config, self.dtype, s)
                           for s in shards) * cache.block_size

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from stallfree import LLM, SamplingParams
-from stallfree.distributed.executor import WorkerError, _free_port
+from stallfree.bench.systems import free_port
+from stallfree.distributed.executor import WorkerError
 
 CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -132,7 +133,7 @@ def test_worker_crash_fails_the_request(small_model):
 
 def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypatch):
     """The multi-machine path: rank 1 started by hand with the torch.distributed env."""
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")

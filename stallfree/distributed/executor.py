@@ -29,13 +29,6 @@ class WorkerError(RuntimeError):
     """A worker failed or exited; the engine cannot go on."""
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def threads_per_worker(world_size: int) -> int | None:
     """CPU threads per local worker so that together they use each core once (an
     OMP_NUM_THREADS the user set wins): oversubscribed OpenMP threads collapse."""
@@ -49,9 +42,10 @@ class DistributedExecutor:
         self.depth = parallel.pipeline_parallel_size  # micro-batches in flight at most
         self.world_size = parallel.world_size
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
-        self.store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
+        # Port 0: the store binds a free port itself (no pick-then-bind race).
+        self.store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT") or 0), is_master=True,
+                                   wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        port = self.store.port
         channel.put(self.store, "config", worker_config)
         local = self.world_size if parallel.num_local_workers is None \
             else parallel.num_local_workers

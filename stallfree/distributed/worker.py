@@ -92,8 +92,7 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
                             world_size=world)
     # Every rank creates every TP group, in the same order, as new_group requires.
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
-    shard = Shard(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp,
-                  tp_group=groups[rank // tp])
+    shard = Shard.of_rank(rank, tp, pp, groups[rank // tp])
     dtype = resolve_dtype(cfg.dtype, device)
     model, model_config = load_model(cfg.model, dtype, device, shard)
     pipe = StagePipe(rank, tp, model_config.hidden_size, dtype, device) if pp > 1 else None

@@ -35,6 +35,11 @@ class Shard:
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's TP peers
 
+    @classmethod
+    def of_rank(cls, rank: int, tp_size: int, pp_size: int, tp_group: Any = None) -> Shard:
+        """Rank r is TP rank r % tp of pipeline stage r // tp."""
+        return cls(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group)
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
