@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ..model.attention import AttentionMetadata
+from ..model.attention import AttentionMetadata, GatherWorkspace
 from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..model.config import ModelConfig
 from ..scheduler.output import SchedulerOutput
@@ -50,6 +50,7 @@ class ModelRunner:
         self.pipe = pipe
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
                                           self.shard)
+        self.workspace = GatherWorkspace()
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -68,7 +69,8 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
         metadata = AttentionMetadata.build(
-            [(c.start, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device)
+            [(c.start, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device,
+            self.workspace)
         hidden_in = None if self.shard.is_first_stage else self.pipe.recv(len(token_ids))
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..attention_plan import decode_groups
+
 
 @dataclass
 class AttentionMetadata:
@@ -28,8 +30,13 @@ class AttentionMetadata:
     # when the chunk has no cached prefix (it then attends to its own K/V directly).
     prefill_gather_blocks: list[torch.Tensor | None] | None = field(default=None, repr=False)
     prefill_masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
-    decode_gather_blocks: torch.Tensor | None = field(default=None, repr=False)  # [B, nb]
-    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, nb*bs] bool
+    # Decodes run in groups of similar context (stallfree/attention_plan.py), each padded
+    # to its longest: (rows in the batch's decodes or None for all in order, blocks
+    # [g, nb], key mask [g, 1, 1, nb*bs] bool).
+    decode_plan: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = field(
+        default=None, repr=False)
+    # Where gathers land; the runner passes one that lives as long as its KV cache.
+    workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace(), repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -37,7 +44,8 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int,
-              device: torch.device | str) -> AttentionMetadata:
+              device: torch.device | str,
+              workspace: GatherWorkspace | None = None) -> AttentionMetadata:
         """seqs in batch-row order: (start_pos, num_new_tokens, block_table).
 
         start_pos is the number of tokens already cached. Entries with more than one
@@ -83,6 +91,7 @@ class AttentionMetadata:
                                              dtype=torch.int64).to(device),
             decode_block_tables=tables[len(prefills):, :dec_blocks].to(device),
             block_size=block_size,
+            workspace=workspace or GatherWorkspace(),
         )
         meta.prepare()
         return meta
@@ -102,12 +111,22 @@ class AttentionMetadata:
                 # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
                 mask = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
                 self.prefill_masks.append(mask.tril(diagonal=ctx - qlen))
-        if self.decode_gather_blocks is None and self.num_decode_tokens > 0:
-            # Gather only the blocks the longest context needs, not the padded table width.
-            num_blocks = -(-int(self.decode_context_lens.max()) // bs)
-            self.decode_gather_blocks = self.decode_block_tables[:, :num_blocks]
-            key_pos = torch.arange(num_blocks * bs, device=self.decode_context_lens.device)
-            self.decode_mask = (key_pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+        if self.decode_plan is None:
+            self.decode_plan = []
+            lens = self.decode_context_lens.tolist()
+            groups = decode_groups(lens, bs)
+            for group in groups:
+                # Gather only the blocks the group's longest context needs.
+                num_blocks = -(-lens[group[0]] // bs)
+                # Order within a group does not matter: a lone group keeps the batch's.
+                rows = None if len(groups) == 1 else \
+                    torch.tensor(group, dtype=torch.int64, device=self.decode_context_lens.device)
+                tables, ctx = self.decode_block_tables, self.decode_context_lens
+                if rows is not None:
+                    tables, ctx = tables.index_select(0, rows), ctx.index_select(0, rows)
+                key_pos = torch.arange(num_blocks * bs, device=ctx.device)
+                mask = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
+                self.decode_plan.append((rows, tables[:, :num_blocks], mask))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,8 +155,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                  enable_gqa=True)
         else:
             ctx = meta.prefill_context_lens[i]
-            ki, vi = (_gather(kv_cache[j], blocks)[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                      for j in (0, 1))
+            ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      for kv in meta.workspace.gather(kv_cache, blocks))
             out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i],
                                                  scale=scale, enable_gqa=True)
         outputs.append(out[0].transpose(0, 1))
@@ -145,25 +164,61 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     num_decodes = q.shape[0] - row
     if num_decodes > 0:
-        blocks = meta.decode_gather_blocks
-        kd, vd = (_gather(kv_cache[j], blocks.flatten())
-                  .view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-                  for j in (0, 1))
-        # One query per request: fold each KV head's group of query heads into the
-        # query-length axis, so GQA needs no K/V expansion and one mask row serves all.
-        group = q.shape[1] // num_kv_heads
-        qd = q[row:].reshape(num_decodes, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                             scale=scale)
-        outputs.append(out.reshape(num_decodes, -1, head_dim))
+        qd, plan, ws = q[row:], meta.decode_plan, meta.workspace
+        if len(plan) == 1:
+            outputs.append(_decode(qd, kv_cache, plan[0][1], plan[0][2], ws, scale))
+        else:
+            out = torch.empty_like(qd)
+            for rows, blocks, mask in plan:
+                out.index_copy_(0, rows, _decode(qd.index_select(0, rows), kv_cache, blocks,
+                                                 mask, ws, scale))
+            outputs.append(out)
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, Hkv, D] cache, [n] block ids -> [n * bs, Hkv, D].
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,
+            workspace: GatherWorkspace, scale: float) -> torch.Tensor:
+    """One query per request [g, Hq, D] against its gathered blocks [g, nb]."""
+    num, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    kd, vd = (kv.view(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+              for kv in workspace.gather(kv_cache, blocks.flatten()))
+    # Fold each KV head's group of query heads into the query-length axis, so GQA
+    # needs no K/V expansion and one mask row serves all.
+    qd = q.reshape(num, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    return out.reshape(num, num_heads, head_dim)
 
-    index_select on the leading dim copies whole blocks and is several times faster
-    on CPU than advanced indexing or per-slot gathers.
+
+class GatherWorkspace:
+    """The reused destination of KV gathers: one buffer for K and one for V.
+
+    A decode batch of a loaded server gathers tens of MB per layer. Fresh tensors that
+    large come from mmap, so every layer page-faults its whole gather in again: on
+    CPU that made the gather about 3x slower past ~40K tokens, at a point that moved
+    with the allocator's history. Writing into one buffer that only grows makes the
+    cost per gathered token flat and repeatable.
     """
-    return cache.index_select(0, blocks).flatten(0, 1)
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache [2, num_blocks, bs, Hkv, D] and [n] block ids -> K and V
+        [n * bs, Hkv, D], valid until the next gather.
+
+        index_select on the leading dim copies whole blocks and is several times faster
+        on CPU than advanced indexing or per-slot gathers.
+        """
+        n = int(blocks.shape[0])
+        buf = self._buffer
+        if (buf is None or buf.shape[1] < n or buf.shape[2:] != kv_cache.shape[2:]
+                or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device):
+            # Grow with headroom so a slowly rising load does not reallocate every step.
+            size = max(n + n // 4, buf.shape[1] if buf is not None else 0)
+            buf = self._buffer = kv_cache.new_empty((2, size, *kv_cache.shape[2:]))
+        k = torch.index_select(kv_cache[0], 0, blocks, out=buf[0, :n])
+        v = torch.index_select(kv_cache[1], 0, blocks, out=buf[1, :n])
+        return k.flatten(0, 1), v.flatten(0, 1)

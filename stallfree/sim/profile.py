@@ -185,22 +185,23 @@ def _copies(blocks: int, cfg: Any, layers: int, itemsize: int) -> int:
 def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, torch: Any,
                    cache: Any, layers: int, itemsize: int) -> dict[str, Any]:
     """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
-    from ..model.attention import AttentionMetadata, paged_attention
+    from ..model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = cache.device, cache.dtype
     prefill = chunk > 0
     per_seq = _blocks(chunk, cached)
     case = batch * per_seq
+    workspace = GatherWorkspace()  # one for the whole run, as the engine's runner keeps
     metas = itertools.cycle([AttentionMetadata.build(
         [(cached if prefill else cached - 1, chunk if prefill else 1,
           list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
-         for i in range(batch)], BLOCK, dev) for j in range(_copies(case, cfg, layers, itemsize))])
+         for i in range(batch)], BLOCK, dev, workspace)
+        for j in range(_copies(case, cfg, layers, itemsize))])
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
-    # The engine runs each gather 30 times an iteration (a layer each), so malloc has settled
-    # on where its tens of MB come from; a single warm-up call leaves that to chance.
+    # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
     s = _time(lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), repeats,
               warmup=3)
     zero = _stats([0.0])
