@@ -144,6 +144,27 @@ def test_mixed_batch_matches_hf(pair):
         row += n
 
 
+def test_decodes_in_several_length_groups_match_hf(pair, monkeypatch):
+    """Decodes of very different lengths run in separate gathers (no merging here), in
+    an order that differs from the batch's; every row must still get its own logits."""
+    import stallfree.attention_plan as plan
+
+    monkeypatch.setattr(plan, "CALL_COST_TOKENS", 0)
+    model, config, ref = pair
+    gen = torch.Generator().manual_seed(4)
+    lens = [4, 41, 10, 33, 2]  # contexts of the decode step
+    assert len(plan.decode_groups(lens, BLOCK_SIZE)) == 3  # [41, 33], [10], [4, 2]
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    blocks = _shuffled_blocks(5)
+    reqs = [_Request(s, blocks[i * 11:(i + 1) * 11]) for i, s in enumerate(seqs)]
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    for r in reqs:
+        _step(model, kv, [(r, len(r.ids) - 1)])
+    ours = _step(model, kv, [(r, 1) for r in reqs])
+    for i, s in enumerate(seqs):
+        assert _rel_err(ours[i:i + 1], _ref_logits(ref, s)[-1:]) < TOL, f"decode of {lens[i]}"
+
+
 def test_tied_model_has_no_separate_lm_head(pair):
     model, config, _ = pair
     assert (model.lm_head is None) == config.tie_word_embeddings

@@ -1,0 +1,43 @@
+"""The rule that splits a decode batch into length groups (pure Python, shared with the simulator)."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stallfree.attention_plan import (CALL_COST_TOKENS, MAX_PADDING_FACTOR, decode_groups,
+                                      padded_groups)
+
+BS = 16
+
+
+def _blocks(c: int) -> int:
+    return -(-c // BS)
+
+
+def test_one_group_for_similar_lengths():
+    assert decode_groups([300, 310, 290, 301], BS) == [[1, 3, 0, 2]]
+    assert padded_groups([300, 310, 290, 301], BS) == [(4, 310)]
+
+
+def test_long_and_short_requests_split_and_tiny_groups_merge():
+    lens = [1015, 300, 990, 40, 40, 40, 40, 100]
+    groups = decode_groups(lens, BS)
+    # 100 tokens under 300: apart by the factor, but one request's padding is cheaper
+    # than a call; the four 40s together would pad 4 x 256 tokens, so they stay apart.
+    assert groups == [[0, 2], [1, 7], [3, 4, 5, 6]]
+    assert padded_groups(lens, BS) == [(2, 1015), (2, 300), (4, 40)]
+    assert decode_groups([], BS) == []
+
+
+@given(st.lists(st.integers(1, 4096), max_size=80))
+def test_groups_partition_the_batch_and_bound_padding(lens):
+    groups = decode_groups(lens, BS)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    flat = [lens[i] for g in groups for i in g]
+    assert flat == sorted(lens, reverse=True)
+    assert decode_groups(lens, BS) == groups  # deterministic
+    # Padding past the factor only where merging was cheaper than a call; summed over the
+    # batch it stays within those merges.
+    padded = sum(len(g) * _blocks(lens[g[0]]) for g in groups) * BS
+    useful = sum(_blocks(c) for c in lens) * BS
+    assert padded <= MAX_PADDING_FACTOR * useful + CALL_COST_TOKENS * len(lens)
