@@ -1,4 +1,4 @@
-"""The CPU cost model: decode attention padded to the longest context, on hand-made profiles."""
+"""The CPU cost model: decode attention padded to each length group's longest, on hand-made profiles."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -68,24 +68,32 @@ def _attention_ms(cost: ProfiledCostModel, batch: BatchShape) -> float:
     return (cost.iteration(batch).stage * 1e3 - ops) / SMOL.num_layers
 
 
-def test_batch_shape_keeps_the_longest_decode_context():
+def test_batch_shape_groups_decodes_as_the_kernel_does():
     out = SchedulerOutput([_decode_chunk(str(i), c) for i, c in enumerate((100, 100, 1000))])
     b = BatchShape.from_output(out)
-    assert (b.num_decodes, b.decode_context_sum, b.decode_context_max) == (3, 1200, 1000)
+    assert (b.num_decodes, b.decode_context_sum) == (3, 1200)
+    assert b.decode_groups == ((1, 1000), (2, 100))  # merging would pad 2 x 900 tokens
     assert b.decode_context_mean == 400
-    assert BatchShape.decode(8, 100).decode_context_max == 100
+    assert BatchShape.decode(8, 100).decode_groups == ((8, 100),)
 
 
 def test_the_backend_column_says_whether_decodes_are_padded(padded, varlen):
     assert padded._attn.padded_decode and not varlen._attn.padded_decode
 
 
-def test_padded_decode_costs_the_longest_context(padded, varlen):
-    # 8 decodes, one at context 1000 and seven at 100 (mean 212.5).
-    mixed = BatchShape((), 8, 7 * 100 + 1000, 8, 1000)
+def test_padded_decode_costs_each_group_at_its_longest_context(padded, varlen):
+    # 8 decodes padded together to context 1000 (mean 212.5).
+    mixed = BatchShape((), 8, 7 * 100 + 1000, 8, ((8, 1000),))
     assert _attention_ms(padded, mixed) == pytest.approx(DECODE_MS[(8, 1000)])
     mean = DECODE_MS[(8, 100)] + (212.5 - 100) / 900 * (DECODE_MS[(8, 1000)] - DECODE_MS[(8, 100)])
     assert _attention_ms(varlen, mixed) == pytest.approx(mean)
+    # The kernel's own grouping: the long request alone, the seven short ones together.
+    out = SchedulerOutput([_decode_chunk(str(i), c) for i, c in enumerate([1000] + [100] * 7)])
+    split = BatchShape.from_output(out)
+    # Seven at 100, read at 700 gathered tokens: batch 1 at 700 (0.7 ms), batch 8 at its edge.
+    seven = 0.7 + 6 / 7 * (DECODE_MS[(8, 100)] - 0.7)
+    assert _attention_ms(padded, split) == pytest.approx(DECODE_MS[(1, 1000)] + seven)
+    assert _attention_ms(varlen, split) == pytest.approx(mean)
     # Equal contexts: both backends agree.
     same = BatchShape.decode(8, 1000)
     assert _attention_ms(padded, same) == pytest.approx(_attention_ms(varlen, same))
@@ -114,7 +122,7 @@ def test_host_slowdown_scales_every_iteration(tmp_path: Path):
     (tmp_path / "cpu" / "host.json").write_text('{"wall_per_cpu": 2.5}')
     busy = ProfiledCostModel(SMOL, CPU, root=tmp_path)
     given = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.5)
-    batch = BatchShape(((64, 512),), 8, 800, 9, 100)
+    batch = BatchShape(((64, 512),), 8, 800, 9, ((8, 100),))
     base, slow = quiet.iteration(batch), busy.iteration(batch)
     assert (slow.cpu, slow.stage) == pytest.approx((2.5 * base.cpu, 2.5 * base.stage))
     assert given.iteration(batch).total() == pytest.approx(1.5 * base.total())

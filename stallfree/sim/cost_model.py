@@ -6,7 +6,7 @@ One iteration on a TP x PP replica costs
 - `stage`: one pipeline stage on the device: its share of the layers, each
   the sum of its token-level ops (by total tokens), its attention (each
   prefill chunk by size and cached tokens, the decodes by count and mean
-  context, or the longest one for a kernel that pads to it) and its TP
+  context, or group by group for a kernel that pads to each group's longest) and its TP
   all-reduces (by message size), plus embedding and LM head;
 - `send`: activations to the next stage (PP > 1 only).
 A profiled CPU's CPU-second times are scaled by its host slowdown (wall per CPU second).
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..attention_plan import padded_groups
 from ..scheduler.output import SchedulerOutput
 from . import profiles as P
 from .hardware import GPUS, GpuSpec, ModelSpec
@@ -40,9 +41,10 @@ class BatchShape:
     num_decodes: int = 0
     decode_context_sum: int = 0  # cached tokens the decodes attend to, summed
     num_sampled: int = 0
-    # The longest decode context (0: take the mean). A kernel that pads every request's
-    # KV to the longest one (this engine's CPU attention) costs batch x this, not the sum.
-    decode_context_max: int = 0
+    # (requests, longest context) of each decode group of a kernel that pads every request's
+    # KV to its group's longest (this engine's CPU attention, stallfree/attention_plan.py):
+    # such a group costs requests x longest, not the sum. Empty: one group at the mean.
+    decode_groups: tuple[tuple[int, int], ...] = ()
 
     @property
     def decode_context_mean(self) -> float:
@@ -57,21 +59,20 @@ class BatchShape:
         return len(self.prefills) + self.num_decodes
 
     @classmethod
-    def from_output(cls, out: SchedulerOutput) -> BatchShape:
-        prefills, decodes, ctx, longest, sampled = [], 0, 0, 0, 0
+    def from_output(cls, out: SchedulerOutput, block_size: int = 16) -> BatchShape:
+        prefills, contexts, sampled = [], [], 0
         for c in out.chunks:
             sampled += c.samples
             if c.is_prefill:
                 prefills.append((c.num_tokens, c.start))
             else:
-                decodes += 1
-                ctx += c.start + 1
-                longest = max(longest, c.start + 1)
-        return cls(tuple(prefills), decodes, ctx, sampled, longest)
+                contexts.append(c.start + 1)
+        return cls(tuple(prefills), len(contexts), sum(contexts), sampled,
+                   tuple(padded_groups(contexts, block_size)))
 
     @classmethod
     def decode(cls, batch: int, context: int) -> BatchShape:
-        return cls((), batch, batch * context, batch, context)
+        return cls((), batch, batch * context, batch, ((batch, context),))
 
     @classmethod
     def prefill(cls, chunk: int, cached: int = 0, samples: bool = True) -> BatchShape:
@@ -245,10 +246,9 @@ class ProfiledCostModel:
         if self._attn is not None:
             t = sum(self._attn.prefill_time(c, k) for c, k in b.prefills) * self._q_ratio
             if b.num_decodes:
-                ctx = b.decode_context_mean
-                if self._attn.padded_decode:
-                    ctx = max(ctx, b.decode_context_max)
-                t += self._attn.decode_time(b.num_decodes, ctx) * self._kv_ratio
+                groups = b.decode_groups if self._attn.padded_decode and b.decode_groups \
+                    else ((b.num_decodes, b.decode_context_mean),)
+                t += sum(self._attn.decode_time(n, ctx) for n, ctx in groups) * self._kv_ratio
             return t
         eff, t = self._attn_eff, 0.0
         for c, k in b.prefills:

@@ -34,17 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Decode attention here gathers batch x longest-context tokens of KV; its cost follows that
-# count, with a cliff near 42K tokens (x2.5 per token, much of it system time: likely the
-# gathered K/V passing glibc's 32 MiB mmap threshold, so every layer faults in fresh pages)
-# that a loaded server reaches (45 requests near 1K tokens). So the decode grid is a list of
-# gathered-token counts, dense around the cliff, read by each batch size at context =
+# Decode attention here gathers each length group's KV padded to the group's longest
+# context (stallfree/attention_plan.py); a group's cost follows the tokens it gathers. So
+# the decode grid is a list of gathered-token counts, read by each batch size at context =
 # tokens / batch (contexts 16 to 2048).
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
         "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],
-        "decode_tokens": [32, 128, 512, 2048, 8192, 16384, 24576, 32768, 36864, 40960, 43008,
-                          45056, 49152, 57344, 65536, 98304, 131072],
+        "decode_tokens": [32, 128, 512, 2048, 4096, 8192, 16384, 24576, 32768, 49152, 65536,
+                          98304, 131072],
         "step_batches": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "repeats": 5}
 QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
          "batches": [1, 4], "decode_tokens": [32, 256, 1024], "step_batches": [1, 4],
