@@ -15,7 +15,8 @@ from .model.llama import kv_cache_bytes_per_token
 from .model.loader import load_model, load_model_config
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
-from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
+from .outputs import (CompletionOutput, IterationRecord, RequestOutput, StepOutput,
+                      TokenLogprobs)
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import make_scheduler
@@ -26,21 +27,6 @@ from .distributed.worker import WorkerConfig
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 _CUDA_KV_FRACTION = 0.85  # of the memory free after loading weights
-
-
-@dataclass
-class IterationRecord:
-    """Timing of one engine iteration; the basis of TBT and pipeline analyses."""
-
-    start: float
-    end: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_preempted: int
-    request_ids: tuple[str, ...] = ()  # the sequences in this (micro-)batch
-    # (start, end) on each pipeline stage, from the workers; empty in-process.
-    stage_times: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass
@@ -62,6 +48,7 @@ class _Flight:
 
     output: SchedulerOutput
     record: IterationRecord
+    cpu_start: float  # the engine thread's CPU clock when it was scheduled
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -229,16 +216,14 @@ class LLMEngine:
         """
         busy = frozenset(rid for f in self._in_flight for rid in f.record.request_ids)
         while len(self._in_flight) < self.executor.depth:
-            start = time.monotonic()
+            start, cpu_start = time.monotonic(), time.thread_time()
             output = self.scheduler.schedule(start, busy)
             if output.is_empty:
                 break
-            ids = tuple(c.request_id for c in output.chunks)
+            record = IterationRecord.scheduled(output, start)
             self.executor.submit(output)
-            self._in_flight.append(_Flight(output, IterationRecord(
-                start, 0.0, output.num_prefill_tokens, output.num_decode_tokens,
-                len(output.chunks), len(output.preempted), ids)))
-            busy |= frozenset(ids)
+            self._in_flight.append(_Flight(output, record, cpu_start))
+            busy |= frozenset(record.request_ids)
         if not self._in_flight:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 raise RuntimeError("scheduler admitted nothing although requests are waiting "
@@ -250,7 +235,8 @@ class LLMEngine:
         end = time.monotonic()
         self.scheduler.update(output, result.sampled, end)
         self.iterations.append(dataclasses.replace(
-            flight.record, end=end, stage_times=tuple(result.stage_times)))
+            flight.record, end=end, cpu_time=time.thread_time() - flight.cpu_start,
+            stage_times=tuple(result.stage_times)))
         # A chunk that ends mid-prompt produced nothing to report.
         return [self._emit(chunk.request, result.sampled[chunk.request_id],
                            result.logprobs.get(chunk.request_id))

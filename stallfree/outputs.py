@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler.output import SchedulerOutput
 
 
 @dataclass
@@ -75,3 +79,39 @@ class StepOutput:
     new_text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per new token when requested
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One engine iteration: what it computed and how long it took.
+
+    The basis of TBT and pipeline analyses, and of checking the simulator's cost
+    model against the real engine (`stallfree serve --iteration-log`).
+    """
+
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+    request_ids: tuple[str, ...] = ()  # the sequences in this (micro-)batch
+    # (start, end) on each pipeline stage, from the workers; empty in-process.
+    stage_times: tuple[tuple[float, float], ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (new tokens, tokens cached before)
+    decode_contexts: tuple[int, ...] = ()  # tokens each decode attends to, its new one included
+    num_sampled: int = 0  # sequences that get a token (decodes and prompts' last chunks)
+    # CPU seconds of the engine's thread from scheduling to applying the result: with the
+    # model in-process and one intra-op thread, the iteration's compute without the time
+    # other processes took from the core.
+    cpu_time: float = 0.0
+
+    @classmethod
+    def scheduled(cls, output: SchedulerOutput, start: float) -> IterationRecord:
+        """The record of a batch just scheduled (its end and times come when it completes)."""
+        chunks = output.chunks
+        return cls(start, 0.0, output.num_prefill_tokens, output.num_decode_tokens, len(chunks),
+                   len(output.preempted), tuple(c.request_id for c in chunks),
+                   prefill_chunks=tuple((c.num_tokens, c.start) for c in chunks if c.is_prefill),
+                   decode_contexts=tuple(c.start + 1 for c in chunks if not c.is_prefill),
+                   num_sampled=sum(c.samples for c in chunks))

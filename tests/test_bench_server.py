@@ -8,14 +8,17 @@ import pytest
 
 from server_utils import ServerProcess
 from stallfree.cli import main as cli_main
+from stallfree.iteration_log import read_iteration_log
 
 SHORT = ["--dataset", "sharegpt", "--length-scale", "0.05", "--max-model-len", "512",
          "--disable-tqdm"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--max-model-len", "512")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("iterations") / "iterations.jsonl"
+    proc = ServerProcess("--max-model-len", "512", "--iteration-log", str(log))
+    proc.iteration_log = log
     yield proc
     proc.stop()
 
@@ -41,6 +44,14 @@ def test_serve_against_our_server(server, tmp_path):
                 "mean_e2el_ms", "p99_e2el_ms", "p50_tbt_ms", "p90_tbt_ms", "p99_tbt_ms",
                 "max_tbt_ms", "longest_stall_ms", "longest_stall"):
         assert rep[key] is not None, key
+    # The server logged every iteration of this run, and each one's batch adds up.
+    records = read_iteration_log(server.iteration_log)
+    assert sum(r.num_sampled for r in records) == rep["total_output_tokens"]
+    assert sum(r.num_prefill_tokens for r in records) == sum(rep["input_lens"])
+    for r in records:
+        assert sum(n for n, _ in r.prefill_chunks) == r.num_prefill_tokens
+        assert len(r.decode_contexts) == r.num_decode_tokens
+        assert 0 < r.cpu_time and r.start < r.end
 
 
 def test_capacity_starts_and_stops_our_server(tmp_path):

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from ..iteration_log import IterationLog
 from ..outputs import StepOutput
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
@@ -130,13 +131,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
               api_key: str | None = None, max_waiting_requests: int | None = None,
-              model_root: str | None = None) -> FastAPI:
+              model_root: str | None = None,
+              iteration_log: IterationLog | None = None) -> FastAPI:
     """The API app around an `LLMEngine` (wrapped in an `AsyncEngine`) or an `AsyncEngine`."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(
-        engine, names[0], max_waiting_requests=max_waiting_requests)
+        engine, names[0], max_waiting_requests=max_waiting_requests, iteration_log=iteration_log)
     state = _State(async_engine, names, model_root)
 
     @asynccontextmanager

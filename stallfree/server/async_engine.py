@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+from ..iteration_log import IterationLog
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
@@ -73,13 +74,15 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, model_name: str = "model",
                  max_waiting_requests: int | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None,
+                 iteration_log: IterationLog | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
         self.engine = engine
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics or ServerMetrics(model_name)
+        self.iteration_log = iteration_log
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -200,6 +203,8 @@ class AsyncEngine:
         record = engine.iterations[-1] if engine.iterations else None
         if record is not None and record is not last:
             metrics.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+            if self.iteration_log is not None:
+                self.iteration_log.write(record)
             if record.num_preempted:
                 metrics.preemptions.inc(record.num_preempted)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

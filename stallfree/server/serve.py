@@ -43,6 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: the model path, or {DEFAULT_SERVED_MODEL_NAME})")
     parser.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                         help="answer 503 while this many sequences wait (default: unbounded)")
+    parser.add_argument("--iteration-log", default=None, metavar="PATH",
+                        help="write every engine iteration (batch shape, wall and CPU time) "
+                             "to PATH as JSON lines; `stallfree simulate replay` reads it")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -59,6 +62,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..cli import engine_kwargs
+    from ..iteration_log import IterationLog
     from ..llm import LLM
     from .api import build_app
 
@@ -67,13 +71,15 @@ def run_server(args: argparse.Namespace) -> int:
         model = _resolve_model(args)
         args.model = model
         kwargs = engine_kwargs(args)
+        log = IterationLog(args.iteration_log) if args.iteration_log else None
         llm = LLM(**kwargs)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"stallfree: error: {err}", file=sys.stderr)
         return 2
     names = args.served_model_name or [model or DEFAULT_SERVED_MODEL_NAME]
     app = build_app(llm.engine, names, api_key=args.api_key,
-                    max_waiting_requests=args.max_waiting_requests, model_root=model)
+                    max_waiting_requests=args.max_waiting_requests, model_root=model,
+                    iteration_log=log)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
     print(f"stallfree: serving {names[0]!r} on http://{args.host}:{args.port}", flush=True)
@@ -81,4 +87,6 @@ def run_server(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run()
     finally:
         llm.shutdown()  # worker processes of a parallel engine end with the server
+        if log is not None:
+            log.close()
     return 0

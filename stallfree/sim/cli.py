@@ -6,6 +6,7 @@
         --system orca:8192:16 --num-prompts 2048 --max-model-len 8192 --result-file cap.json
     stallfree simulate calibrate
     stallfree simulate compare measured.json simulated.json   # validation on this machine
+    stallfree simulate --gpu cpu --profile-dir P --model smollm2-135m replay iterations.jsonl
 
 Deployment and workload flags may come before or after `capacity`. The report,
 JSON and capacity search are `stallfree bench`'s own code.
@@ -116,6 +117,10 @@ def add_simulate_args(subparsers: Any) -> argparse.ArgumentParser:
     cmp_.add_argument("measured")
     cmp_.add_argument("simulated")
     cmp_.add_argument("--tolerance", type=float, default=0.15)
+    rep = sub.add_parser("replay", help="a served run's iterations (serve --iteration-log) "
+                         "vs the cost model, in CPU seconds")
+    _add_common(rep, suppress=True)
+    rep.add_argument("iteration_log")
     return sim
 
 
@@ -233,6 +238,20 @@ def _cached_trials(base: Any, sched: SchedulerConfig, dep: Any,
     return trial
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from ..iteration_log import read_iteration_log
+    from .replay import format_replay, replay
+
+    # The log's times are CPU seconds: predict them without the host's slowdown.
+    cost = dataclasses.replace(_deployment(args), cpu_slowdown=1.0).cost_model()
+    result = replay(read_iteration_log(args.iteration_log), cost, args.block_size)
+    print(format_replay(result))
+    if getattr(args, "result_file", None):
+        with open(args.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def _print_trial(label: str, trial: Any) -> None:
     from ..bench.capacity_cli import _trial_line
 
@@ -264,6 +283,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 0 if ok else 1
         if args.simulate_command == "capacity":
             return _capacity(args)
+        if args.simulate_command == "replay":
+            return _replay(args)
         return _run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"stallfree simulate: error: {err}", file=sys.stderr)

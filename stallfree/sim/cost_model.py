@@ -59,16 +59,18 @@ class BatchShape:
         return len(self.prefills) + self.num_decodes
 
     @classmethod
+    def of(cls, prefills: tuple[tuple[int, int], ...], decode_contexts: tuple[int, ...],
+           num_sampled: int, block_size: int = 16) -> BatchShape:
+        """From (new tokens, cached) per prefill chunk and each decode's context."""
+        return cls(tuple(prefills), len(decode_contexts), sum(decode_contexts), num_sampled,
+                   tuple(padded_groups(list(decode_contexts), block_size)))
+
+    @classmethod
     def from_output(cls, out: SchedulerOutput, block_size: int = 16) -> BatchShape:
-        prefills, contexts, sampled = [], [], 0
-        for c in out.chunks:
-            sampled += c.samples
-            if c.is_prefill:
-                prefills.append((c.num_tokens, c.start))
-            else:
-                contexts.append(c.start + 1)
-        return cls(tuple(prefills), len(contexts), sum(contexts), sampled,
-                   tuple(padded_groups(contexts, block_size)))
+        chunks = out.chunks
+        return cls.of(tuple((c.num_tokens, c.start) for c in chunks if c.is_prefill),
+                      tuple(c.start + 1 for c in chunks if not c.is_prefill),
+                      sum(c.samples for c in chunks), block_size)
 
     @classmethod
     def decode(cls, batch: int, context: int) -> BatchShape:

@@ -1,0 +1,57 @@
+"""Per-iteration records as JSON lines: what `stallfree serve --iteration-log` writes.
+
+One line per engine iteration (an `IterationRecord` without its request ids), so a
+run can be inspected afterwards or its iterations replayed through the simulator's
+cost model (`stallfree simulate replay`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+from .outputs import IterationRecord
+
+_SKIPPED = ("request_ids",)  # long and private; the shape of the batch is what matters
+
+
+class IterationLog:
+    """Appends records to a file; line-buffered, so a killed server leaves whole lines."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "w", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, record: IterationRecord) -> None:
+        row = {k: v for k, v in dataclasses.asdict(record).items() if k not in _SKIPPED}
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_iteration_log(path: str | Path) -> list[IterationRecord]:
+    """The records of a log; a malformed line raises ValueError naming it."""
+    fields = {f.name for f in dataclasses.fields(IterationRecord)}
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                unknown = set(row) - fields
+                if unknown:
+                    raise ValueError(f"unknown fields {sorted(unknown)}")
+                row["prefill_chunks"] = tuple(tuple(c) for c in row.get("prefill_chunks", ()))
+                row["decode_contexts"] = tuple(row.get("decode_contexts", ()))
+                row["stage_times"] = tuple(tuple(t) for t in row.get("stage_times", ()))
+                records.append(IterationRecord(**row))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}:{number}: not an iteration record: {err}") from None
+    return records
