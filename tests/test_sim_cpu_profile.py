@@ -68,13 +68,12 @@ def _attention_ms(cost: ProfiledCostModel, batch: BatchShape) -> float:
     return (cost.iteration(batch).stage * 1e3 - ops) / SMOL.num_layers
 
 
-def test_batch_shape_groups_decodes_as_the_kernel_does():
+def test_batch_shape_keeps_each_decode_context():
     out = SchedulerOutput([_decode_chunk(str(i), c) for i, c in enumerate((100, 100, 1000))])
     b = BatchShape.from_output(out)
-    assert (b.num_decodes, b.decode_context_sum) == (3, 1200)
-    assert b.decode_groups == ((1, 1000), (2, 100))  # merging would pad 2 x 900 tokens
+    assert (b.num_decodes, b.decode_context_sum, b.decode_contexts) == (3, 1200, (100, 100, 1000))
     assert b.decode_context_mean == 400
-    assert BatchShape.decode(8, 100).decode_groups == ((8, 100),)
+    assert BatchShape.decode(4, 100).decode_contexts == (100, 100, 100, 100)
 
 
 def test_the_backend_column_says_whether_decodes_are_padded(padded, varlen):
@@ -82,21 +81,36 @@ def test_the_backend_column_says_whether_decodes_are_padded(padded, varlen):
 
 
 def test_padded_decode_costs_each_group_at_its_longest_context(padded, varlen):
-    # 8 decodes padded together to context 1000 (mean 212.5).
-    mixed = BatchShape((), 8, 7 * 100 + 1000, 8, ((8, 1000),))
-    assert _attention_ms(padded, mixed) == pytest.approx(DECODE_MS[(8, 1000)])
-    mean = DECODE_MS[(8, 100)] + (212.5 - 100) / 900 * (DECODE_MS[(8, 1000)] - DECODE_MS[(8, 100)])
-    assert _attention_ms(varlen, mixed) == pytest.approx(mean)
+    # 8 decodes close enough in length to share a group: padded to 1000 (mean 650).
+    close = BatchShape.of((), (1000,) + (600,) * 7, 8)
+    assert _attention_ms(padded, close) == pytest.approx(DECODE_MS[(8, 1000)])
+    mean = DECODE_MS[(8, 100)] + (650 - 100) / 900 * (DECODE_MS[(8, 1000)] - DECODE_MS[(8, 100)])
+    assert _attention_ms(varlen, close) == pytest.approx(mean)
     # The kernel's own grouping: the long request alone, the seven short ones together.
-    out = SchedulerOutput([_decode_chunk(str(i), c) for i, c in enumerate([1000] + [100] * 7)])
-    split = BatchShape.from_output(out)
+    split = BatchShape.of((), (1000,) + (100,) * 7, 8)
     # Seven at 100, read at 700 gathered tokens: batch 1 at 700 (0.7 ms), batch 8 at its edge.
     seven = 0.7 + 6 / 7 * (DECODE_MS[(8, 100)] - 0.7)
     assert _attention_ms(padded, split) == pytest.approx(DECODE_MS[(1, 1000)] + seven)
-    assert _attention_ms(varlen, split) == pytest.approx(mean)
     # Equal contexts: both backends agree.
     same = BatchShape.decode(8, 1000)
     assert _attention_ms(padded, same) == pytest.approx(_attention_ms(varlen, same))
+
+
+def test_a_profile_that_records_its_kv_dtype_caps_the_calls(tmp_path: Path):
+    """With the KV element size known, the cost model cuts a group into calls as the kernel
+    does: 48 decodes at 1000 tokens of fp32 SmolLM2 KV are 24 calls of 2 (2K tokens each)."""
+    from stallfree.attention_plan import padded_groups
+
+    write_cpu_profile(tmp_path / "plain", "stallfree.paged_attention")
+    write_cpu_profile(tmp_path / "typed", "stallfree.paged_attention")
+    path = tmp_path / "typed" / "cpu" / "compute" / "attention_n576_q9_kv3_tp1.csv"
+    _write(path, [r | {"kv_dtype_bytes": 4} for r in P._read(path)])
+    capped = ProfiledCostModel(SMOL, CPU, root=tmp_path / "typed")
+    uncapped = ProfiledCostModel(SMOL, CPU, root=tmp_path / "plain")
+    assert padded_groups([1000] * 48, 16, 2 * 3 * 64 * 4) == [(2, 1000)] * 24
+    batch = BatchShape.decode(48, 1000)
+    assert _attention_ms(capped, batch) == pytest.approx(24e3 * capped._attn.decode_time(2, 1000))
+    assert _attention_ms(uncapped, batch) == pytest.approx(1e3 * uncapped._attn.decode_time(48, 1000))
 
 
 def test_between_batch_sizes_padded_rows_are_read_at_equal_gathered_tokens(padded, varlen):
@@ -122,7 +136,7 @@ def test_host_slowdown_scales_every_iteration(tmp_path: Path):
     (tmp_path / "cpu" / "host.json").write_text('{"wall_per_cpu": 2.5}')
     busy = ProfiledCostModel(SMOL, CPU, root=tmp_path)
     given = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.5)
-    batch = BatchShape(((64, 512),), 8, 800, 9, ((8, 100),))
+    batch = BatchShape(((64, 512),), 8, 800, 9, (100,) * 8)
     base, slow = quiet.iteration(batch), busy.iteration(batch)
     assert (slow.cpu, slow.stage) == pytest.approx((2.5 * base.cpu, 2.5 * base.stage))
     assert given.iteration(batch).total() == pytest.approx(1.5 * base.total())

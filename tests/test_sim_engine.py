@@ -42,7 +42,8 @@ def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
         clock.now += cost.iteration(BatchShape.from_output(out)).total()
         return RunnerOutput({c.request_id: FAKE_TOKEN for c in out.chunks if c.samples})
 
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock.now,
+                                                              thread_time=lambda: 0.0))
     monkeypatch.setattr(engine.runner, "execute", execute)
     specs = build_workload(WorkloadConfig(dataset="random", num_prompts=24, request_rate=25.0,
                                           seed=7, random_input_len=20, random_output_len=10,

@@ -93,11 +93,11 @@ class AttentionMetadata:
             block_size=block_size,
             workspace=workspace or GatherWorkspace(),
         )
-        meta.prepare()
         return meta
 
-    def prepare(self) -> None:
-        """Compute gather indices and masks (idempotent; called once per forward)."""
+    def prepare(self, kv_cache: torch.Tensor) -> None:
+        """Gather indices and masks for one layer's cache [2, blocks, bs, Hkv, D] (the same
+        shape in every layer); idempotent, so the first layer's call does the work."""
         bs = self.block_size
         if self.prefill_gather_blocks is None:
             self.prefill_gather_blocks, self.prefill_masks = [], []
@@ -114,7 +114,8 @@ class AttentionMetadata:
         if self.decode_plan is None:
             self.decode_plan = []
             lens = self.decode_context_lens.tolist()
-            groups = decode_groups(lens, bs)
+            kv_bytes_per_token = kv_cache[:, 0, 0].numel() * kv_cache.element_size()
+            groups = decode_groups(lens, bs, kv_bytes_per_token)
             for group in groups:
                 # Gather only the blocks the group's longest context needs.
                 num_blocks = -(-lens[group[0]] // bs)
@@ -140,7 +141,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    meta.prepare()
+    meta.prepare(kv_cache)
 
     outputs: list[torch.Tensor] = []
     row = 0

@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] flat over the batch; `hidden` replaces the embedding
         on later pipeline stages. Returns hidden states [T, hidden] (normed on the last)."""
-        attn_metadata.prepare()
+        attn_metadata.prepare(kv_cache[0])
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         # One RoPE lookup per forward, shared by all layers.
         cos, sin = self.model.rotary.lookup(positions, x.dtype)

@@ -244,7 +244,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     # The log's times are CPU seconds: predict them without the host's slowdown.
     cost = dataclasses.replace(_deployment(args), cpu_slowdown=1.0).cost_model()
-    result = replay(read_iteration_log(args.iteration_log), cost, args.block_size)
+    result = replay(read_iteration_log(args.iteration_log), cost)
     print(format_replay(result))
     if getattr(args, "result_file", None):
         with open(args.result_file, "w") as f:

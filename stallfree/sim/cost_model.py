@@ -41,10 +41,10 @@ class BatchShape:
     num_decodes: int = 0
     decode_context_sum: int = 0  # cached tokens the decodes attend to, summed
     num_sampled: int = 0
-    # (requests, longest context) of each decode group of a kernel that pads every request's
-    # KV to its group's longest (this engine's CPU attention, stallfree/attention_plan.py):
-    # such a group costs requests x longest, not the sum. Empty: one group at the mean.
-    decode_groups: tuple[tuple[int, int], ...] = ()
+    # Each decode's context. A kernel that pads KV to the longest of each length group
+    # (this engine's CPU attention, stallfree/attention_plan.py) costs by those groups,
+    # not by the sum. Empty: every decode at the mean.
+    decode_contexts: tuple[int, ...] = ()
 
     @property
     def decode_context_mean(self) -> float:
@@ -60,21 +60,21 @@ class BatchShape:
 
     @classmethod
     def of(cls, prefills: tuple[tuple[int, int], ...], decode_contexts: tuple[int, ...],
-           num_sampled: int, block_size: int = 16) -> BatchShape:
+           num_sampled: int) -> BatchShape:
         """From (new tokens, cached) per prefill chunk and each decode's context."""
         return cls(tuple(prefills), len(decode_contexts), sum(decode_contexts), num_sampled,
-                   tuple(padded_groups(list(decode_contexts), block_size)))
+                   tuple(decode_contexts))
 
     @classmethod
-    def from_output(cls, out: SchedulerOutput, block_size: int = 16) -> BatchShape:
+    def from_output(cls, out: SchedulerOutput) -> BatchShape:
         chunks = out.chunks
         return cls.of(tuple((c.num_tokens, c.start) for c in chunks if c.is_prefill),
                       tuple(c.start + 1 for c in chunks if not c.is_prefill),
-                      sum(c.samples for c in chunks), block_size)
+                      sum(c.samples for c in chunks))
 
     @classmethod
     def decode(cls, batch: int, context: int) -> BatchShape:
-        return cls((), batch, batch * context, batch, ((batch, context),))
+        return cls((), batch, batch * context, batch, (context,) * batch)
 
     @classmethod
     def prefill(cls, chunk: int, cached: int = 0, samples: bool = True) -> BatchShape:
@@ -141,6 +141,7 @@ class ProfiledCostModel:
     attention: str = "auto"  # auto | roofline
     extra_cpu: tuple[float, float] = (0.0, 0.0)  # calibration: + a + b * requests per iteration
     slowdown: float | None = None  # wall per CPU second; None: the profile's host.json, else 1
+    block_size: int = 16  # KV block size: padded decode kernels gather whole blocks
     sources: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +236,8 @@ class ProfiledCostModel:
             a = self._attn
             self._q_ratio = (m.num_heads // tp) * m.head_dim / (a.q_heads * a.head_dim)
             self._kv_ratio = m.kv_heads_per_rank(tp) * m.head_dim / (a.kv_heads * a.head_dim)
+            # One layer's K+V per token as the profiled kernel stored it (0: unknown).
+            self._kv_call_bytes = 2 * m.kv_heads_per_rank(tp) * m.head_dim * a.kv_dtype_bytes
             self.sources["attention"] = (f"{a.path} (prefill x{self._q_ratio:.3g}, "
                                          f"decode x{self._kv_ratio:.3g} for head counts)")
             return
@@ -248,9 +251,11 @@ class ProfiledCostModel:
         if self._attn is not None:
             t = sum(self._attn.prefill_time(c, k) for c, k in b.prefills) * self._q_ratio
             if b.num_decodes:
-                groups = b.decode_groups if self._attn.padded_decode and b.decode_groups \
-                    else ((b.num_decodes, b.decode_context_mean),)
-                t += sum(self._attn.decode_time(n, ctx) for n, ctx in groups) * self._kv_ratio
+                calls = [(b.num_decodes, b.decode_context_mean)]
+                if self._attn.padded_decode and b.decode_contexts:
+                    calls = padded_groups(list(b.decode_contexts), self.block_size,
+                                          self._kv_call_bytes)
+                t += sum(self._attn.decode_time(n, ctx) for n, ctx in calls) * self._kv_ratio
             return t
         eff, t = self._attn_eff, 0.0
         for c, k in b.prefills:

@@ -191,11 +191,14 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
     per_seq = _blocks(chunk, cached)
     case = batch * per_seq
     workspace = GatherWorkspace()  # one for the whole run, as the engine's runner keeps
-    metas = itertools.cycle([AttentionMetadata.build(
+    built = [AttentionMetadata.build(
         [(cached if prefill else cached - 1, chunk if prefill else 1,
           list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
          for i in range(batch)], BLOCK, dev, workspace)
-        for j in range(_copies(case, cfg, layers, itemsize))])
+        for j in range(_copies(case, cfg, layers, itemsize))]
+    for meta in built:  # once per iteration in the engine, not per layer: not timed
+        meta.prepare(cache)
+    metas = itertools.cycle(built)
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
@@ -210,7 +213,8 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
     return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
                   "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
                   "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
-                  "attention_backend": "stallfree.paged_attention", "profile_method": "cpu"}
+                  "attention_backend": "stallfree.paged_attention", "profile_method": "cpu",
+                  "kv_dtype_bytes": itemsize}
 
 
 def profile_steps(engine: Any, grid: dict[str, Any]) -> tuple[dict[int, tuple[float, int]],

@@ -112,6 +112,7 @@ class AttentionProfile:
     prefill: dict[int, tuple[list[float], list[float]]]
     decode: dict[int, tuple[list[float], list[float]]]
     padded_decode: bool = False  # decode cost by the longest context, not the mean
+    kv_dtype_bytes: int = 0  # bytes per KV element in the profiled kernel (0: not recorded)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AttentionProfile:
@@ -134,7 +135,8 @@ class AttentionProfile:
                     dec[int(r["batch_size"])][float(r["kv_cache_size"])].append(t + reshape)
         return cls(str(path), q, kv, int(r0["n_embd"]) // int(r0["n_q_head"]),
                    {c: _grid(p) for c, p in pre.items()}, {b: _grid(p) for b, p in dec.items()},
-                   r0.get("attention_backend") in PADDED_DECODE_BACKENDS)
+                   r0.get("attention_backend") in PADDED_DECODE_BACKENDS,
+                   int(r0.get("kv_dtype_bytes") or 0))
 
     @functools.cached_property
     def _chunks(self) -> list[int]:

@@ -28,14 +28,13 @@ def _row(label: str, pairs: list[tuple[float, float]]) -> dict[str, Any]:
             "median_iteration_error": statistics.median(ratios) if ratios else None}
 
 
-def replay(records: list[IterationRecord], cost: CostModel, block_size: int = 16
-           ) -> dict[str, Any]:
+def replay(records: list[IterationRecord], cost: CostModel) -> dict[str, Any]:
     """Measured vs predicted CPU seconds, in total and by kind of batch."""
     kinds: dict[str, list[tuple[float, float]]] = {"decode-only": [], "with prefill": []}
     buckets: dict[tuple[int, int], list[tuple[float, float]]] = {b: [] for b in DECODE_BUCKETS}
     wall = cpu = 0.0
     for r in records:
-        shape = BatchShape.of(r.prefill_chunks, r.decode_contexts, r.num_sampled, block_size)
+        shape = BatchShape.of(r.prefill_chunks, r.decode_contexts, r.num_sampled)
         pair = (r.cpu_time, cost.iteration(shape).total(cost.pp))
         wall, cpu = wall + (r.end - r.start), cpu + r.cpu_time
         if r.prefill_chunks:

@@ -63,7 +63,7 @@ class Deployment:
         mode = "roofline" if self.roofline else "auto"
         return ProfiledCostModel(get_model(self.model), get_gpu(self.gpu), self.tp, self.pp,
                                  self.node, Path(self.profile_dir or PROFILE_ROOT), mode, mode,
-                                 extra, self.cpu_slowdown)
+                                 extra, self.cpu_slowdown, self.block_size)
 
     def num_blocks(self, sched: SchedulerConfig) -> int:
         gpu = get_gpu(self.gpu)

@@ -143,7 +143,7 @@ class Simulator:
         return self.scheduler.schedule(self.now, frozenset(self._where))
 
     def _launch(self, out: SchedulerOutput) -> None:
-        cost = self.cost.iteration(BatchShape.from_output(out, self.config.block_size))
+        cost = self.cost.iteration(BatchShape.from_output(out))
         t = self.now + cost.cpu
         stages = []
         for s in range(self.pp):
