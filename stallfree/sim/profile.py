@@ -217,10 +217,10 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
                   "kv_dtype_bytes": itemsize}
 
 
-def profile_steps(engine: Any, grid: dict[str, Any]) -> tuple[dict[int, tuple[float, int]],
-                                                               float]:
-    """Median CPU time of `LLMEngine.step()` on decode-only batches: batch -> (seconds, mean
-    context); and the wall seconds per CPU second of all those steps."""
+def profile_steps(engine: Any, grid: dict[str, Any]
+                  ) -> tuple[dict[int, tuple[list[float], int]], float, float]:
+    """CPU times of `LLMEngine.step()` on decode-only batches: batch -> (seconds of each
+    step, mean context); and the wall and CPU seconds of all those steps."""
     import random
 
     from ..sampling_params import SamplingParams
@@ -243,10 +243,10 @@ def profile_steps(engine: Any, grid: dict[str, Any]) -> tuple[dict[int, tuple[fl
             ms.append(time.process_time() - c)
             wall, cpu = wall + time.perf_counter() - t, cpu + ms[-1]
         ctx = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
-        out[b] = (statistics.median(ms), int(ctx))
+        out[b] = (ms, int(ctx))
         for rid in ids:
             engine.abort_request(rid)
-    return out, wall / cpu
+    return out, wall, cpu
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -270,12 +270,18 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"profiling {org_model} on {device} ({engine.dtype}), {torch.get_num_threads()} "
           f"threads -> {root / name}", flush=True)
     with torch.inference_mode():
+        # Engine steps run before and after the microbenchmarks, their samples pooled: a
+        # shared machine's speed drifts over a minute, and one burst of steps caught it
+        # 10-15% fast or slow from one profile to the next.
+        first, wall, cpu = profile_steps(engine, grid)
         _write(root / name / "compute" / org_model / "mlp.csv",
                profile_ops(engine.model, cfg, grid, torch))
         _write(root / name / "compute" / f"attention_n{cfg.num_attention_heads * cfg.head_dim}"
                f"_q{cfg.num_attention_heads}_kv{cfg.num_key_value_heads}_tp1.csv",
                profile_attention(cfg, grid, torch, device, engine.dtype))
-        steps, wall_per_cpu = profile_steps(engine, grid)
+        second, wall2, cpu2 = profile_steps(engine, grid)
+    steps = {b: (statistics.median(first[b][0] + second[b][0]), second[b][1]) for b in first}
+    wall_per_cpu = (wall + wall2) / (cpu + cpu2)
     spec = ModelSpec(org_model, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
                      cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                      cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
