@@ -1,0 +1,26 @@
+"""`stallfree profile --quick` on the default model: the files the CPU cost model reads."""
+from __future__ import annotations
+
+import json
+
+from stallfree.cli import main as cli_main
+from stallfree.sim import profiles as P
+from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
+from stallfree.sim.hardware import CPU, MODELS
+
+
+def test_quick_profile_feeds_the_cpu_cost_model(tmp_path):
+    assert cli_main(["profile", "--quick", "--out", str(tmp_path)]) == 0
+    dev = tmp_path / "cpu"
+    host = json.loads((dev / "host.json").read_text())
+    assert host["wall_per_cpu"] > 0.5 and host["threads"] >= 1
+    attention = P.attention_paths(tmp_path, "cpu")
+    assert len(attention) == 1
+    profile = P.load_attention(attention[0])
+    # The engine's kernel: padded decodes, fp32 KV on CPU, so calls are split as it does.
+    assert profile.padded_decode and profile.kv_dtype_bytes == 4
+    cost = ProfiledCostModel(MODELS["smollm2-135m"], CPU, root=tmp_path)
+    assert cost.slowdown == host["wall_per_cpu"]
+    one, four = (cost.iteration(BatchShape.decode(b, 64)).total() for b in (1, 4))
+    prefill = cost.iteration(BatchShape.prefill(128)).total()
+    assert 0 < one < four and one < prefill
