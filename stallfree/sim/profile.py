@@ -152,8 +152,7 @@ def profile_attention(cfg: Any, grid: dict[str, Any], torch: Any, dev: Any,
     cases += [(b, 0, ctx) for b in grid["batches"]
               for ctx in sorted({n // b for n in grid["decode_tokens"]})
               if MIN_CONTEXT <= ctx <= MAX_CONTEXT]
-    # One KV cache for every case, allocated once like the engine's: a fresh cache per case
-    # would move malloc's mmap threshold and make the gathers' page faults depend on the order.
+    # One KV cache for every case, allocated once like the engine's.
     layers = cfg.num_hidden_layers
     size = torch.tensor([], dtype=dt).element_size()
     blocks = max(b * _blocks(c, k) * _copies(b * _blocks(c, k), cfg, layers, size)

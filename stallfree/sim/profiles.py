@@ -185,7 +185,7 @@ class AttentionProfile:
 
     def _decode_at(self, row: int, batch: int, context: float) -> float:
         """Profiled batch `row` read for `batch` x `context`: at the same context, or for a
-        padded kernel at the same gathered tokens (its cliffs are in tokens, not context);
+        padded kernel at the same gathered tokens (its cache effects follow tokens, not context);
         beyond the row's longest context, linear in tokens."""
         ctx = batch * context / row if self.padded_decode else context
         t, cmax = self._decode_row(row, ctx)
