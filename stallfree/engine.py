@@ -114,7 +114,8 @@ class LLMEngine:
                 seed=self.config.seed))
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
-        self.iterations: deque[IterationRecord] = deque(maxlen=100_000)
+        # Recent history only (each record holds its batch's shape): --iteration-log keeps all.
+        self.iterations: deque[IterationRecord] = deque(maxlen=10_000)
 
     @property
     def runner(self) -> ModelRunner | None:

@@ -1,8 +1,9 @@
 """Per-iteration records as JSON lines: what `stallfree serve --iteration-log` writes.
 
-One line per engine iteration (an `IterationRecord` without its request ids), so a
-run can be inspected afterwards or its iterations replayed through the simulator's
-cost model (`stallfree simulate replay`).
+A header line (`{"iteration_log": 1, ...}`: the engine's block size, compute threads and
+pipeline depth), then one line per engine iteration (an `IterationRecord` without its
+request ids), so a run can be inspected afterwards or its iterations replayed through
+the simulator's cost model (`stallfree simulate replay`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class IterationLog:
         self._file = open(self.path, "w", buffering=1)
         self._lock = threading.Lock()
 
+    def header(self, **settings: object) -> None:
+        """The engine's settings a reader needs (written once, before any record)."""
+        with self._lock:
+            self._file.write(json.dumps({"iteration_log": 1, **settings}) + "\n")
+
     def write(self, record: IterationRecord) -> None:
         row = {k: v for k, v in dataclasses.asdict(record).items() if k not in _SKIPPED}
         with self._lock:
@@ -35,9 +41,11 @@ class IterationLog:
             self._file.close()
 
 
-def read_iteration_log(path: str | Path) -> list[IterationRecord]:
-    """The records of a log; a malformed line raises ValueError naming it."""
+def read_iteration_log(path: str | Path) -> tuple[dict, list[IterationRecord]]:
+    """The header's settings and the records of a log; a malformed line raises ValueError
+    naming it."""
     fields = {f.name for f in dataclasses.fields(IterationRecord)}
+    settings: dict = {}
     records = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -45,13 +53,20 @@ def read_iteration_log(path: str | Path) -> list[IterationRecord]:
                 continue
             try:
                 row = json.loads(line)
+                if "iteration_log" in row:
+                    settings = row
+                    continue
                 unknown = set(row) - fields
                 if unknown:
                     raise ValueError(f"unknown fields {sorted(unknown)}")
                 row["prefill_chunks"] = tuple(tuple(c) for c in row.get("prefill_chunks", ()))
                 row["decode_contexts"] = tuple(row.get("decode_contexts", ()))
                 row["stage_times"] = tuple(tuple(t) for t in row.get("stage_times", ()))
-                records.append(IterationRecord(**row))
+                record = IterationRecord(**row)
+                shaped = sum(n for n, _ in record.prefill_chunks) + len(record.decode_contexts)
+                if shaped != record.num_prefill_tokens + record.num_decode_tokens:
+                    raise ValueError("its chunks do not add up to its token counts")
+                records.append(record)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{number}: not an iteration record: {err}") from None
-    return records
+    return settings, records

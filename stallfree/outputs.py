@@ -98,8 +98,11 @@ class IterationRecord:
     request_ids: tuple[str, ...] = ()  # the sequences in this (micro-)batch
     # (start, end) on each pipeline stage, from the workers; empty in-process.
     stage_times: tuple[tuple[float, float], ...] = ()
-    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (new tokens, tokens cached before)
-    decode_contexts: tuple[int, ...] = ()  # tokens each decode attends to, its new one included
+    # The batch as the attention kernel runs it: chunks of several tokens as (new tokens,
+    # tokens cached before), and every one-token chunk (a decode, or rarely a prompt's
+    # chunk of one) as the tokens it attends to, its new one included.
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+    decode_contexts: tuple[int, ...] = ()
     num_sampled: int = 0  # sequences that get a token (decodes and prompts' last chunks)
     # CPU seconds of the engine's thread from scheduling to applying the result: with the
     # model in-process and one intra-op thread, the iteration's compute without the time
@@ -112,6 +115,7 @@ class IterationRecord:
         chunks = output.chunks
         return cls(start, 0.0, output.num_prefill_tokens, output.num_decode_tokens, len(chunks),
                    len(output.preempted), tuple(c.request_id for c in chunks),
-                   prefill_chunks=tuple((c.num_tokens, c.start) for c in chunks if c.is_prefill),
-                   decode_contexts=tuple(c.start + 1 for c in chunks if not c.is_prefill),
+                   prefill_chunks=tuple((c.num_tokens, c.start) for c in chunks
+                                        if c.num_tokens > 1),
+                   decode_contexts=tuple(c.start + 1 for c in chunks if c.num_tokens == 1),
                    num_sampled=sum(c.samples for c in chunks))

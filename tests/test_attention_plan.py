@@ -53,3 +53,14 @@ def test_groups_partition_the_batch_and_bound_padding(lens, kv_bytes):
     padded = sum(len(g) * _blocks(lens[g[0]]) for g in groups) * BS
     useful = sum(_blocks(c) for c in lens) * BS
     assert padded <= MAX_PADDING_FACTOR * useful + CALL_COST_TOKENS * len(lens)
+
+
+def test_the_kernel_caps_calls_on_cpu_only():
+    import torch
+
+    from stallfree.model.attention import call_cap_bytes_per_token
+
+    fp32 = torch.zeros(2, 4, 16, 3, 64)
+    assert call_cap_bytes_per_token(fp32) == 2 * 3 * 64 * 4
+    assert call_cap_bytes_per_token(fp32.to(torch.bfloat16)) == 2 * 3 * 64 * 2
+    assert call_cap_bytes_per_token(torch.zeros(2, 4, 16, 3, 64, device="meta")) == 0

@@ -29,8 +29,8 @@ def test_offline_engine_records_each_batch(default_llm):
     assert sum(r.num_prefill_tokens for r in records) == prompt_tokens
     assert sum(r.num_sampled for r in records) == 10
     for r in records:
-        assert sum(n for n, _ in r.prefill_chunks) == r.num_prefill_tokens
-        assert len(r.decode_contexts) == r.num_decode_tokens
+        assert (sum(n for n, _ in r.prefill_chunks) + len(r.decode_contexts)
+                == r.num_prefill_tokens + r.num_decode_tokens)
         # The engine thread's CPU time: positive, and no more than the wall time allows.
         assert 0 < r.cpu_time <= (r.end - r.start) * 1.05 + 1e-3
     last = records[-1]
@@ -41,17 +41,44 @@ def test_offline_engine_records_each_batch(default_llm):
 def test_log_round_trip_and_bad_lines(tmp_path):
     path = tmp_path / "it.jsonl"
     log = IterationLog(path)
+    log.header(block_size=8, threads=1, pipeline_depth=1)
     records = [_record(1.0, 0.25, prefills=[(16, 0), (8, 32)]), _record(2.0, 0.1, decodes=[5, 9])]
     for r in records:
         log.write(r)
     log.close()
     log.write(records[0])  # after close: dropped, not an error
-    back = read_iteration_log(path)
+    settings, back = read_iteration_log(path)
+    assert settings == {"iteration_log": 1, "block_size": 8, "threads": 1, "pipeline_depth": 1}
     assert back == [r.__class__(**{**r.__dict__, "request_ids": ()}) for r in records]
     assert "request_ids" not in path.read_text()
-    path.write_text(path.read_text() + json.dumps({"start": 1, "bogus": 2}) + "\n")
-    with pytest.raises(ValueError, match=r"it.jsonl:3: .*bogus"):
+    good = path.read_text()
+    path.write_text(good + json.dumps({"start": 1, "bogus": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"it.jsonl:4: .*bogus"):
         read_iteration_log(path)
+    # A record whose chunks do not add up (say, from a version without them) is refused.
+    row = json.loads(good.splitlines()[1]) | {"prefill_chunks": []}
+    path.write_text(good + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"it.jsonl:4: .*add up"):
+        read_iteration_log(path)
+
+
+def test_one_token_chunks_attend_as_decodes():
+    """A prompt chunk of one token runs in the kernel's decode path: the record and the
+    simulator's batch shape both count it with the decodes."""
+    from stallfree.request import Request
+    from stallfree.sampling_params import SamplingParams
+    from stallfree.scheduler.output import ScheduledChunk, SchedulerOutput
+    from stallfree.sim.cost_model import BatchShape
+
+    params = SamplingParams(max_tokens=4)
+    prompt = Request("p", list(range(1, 601)), params, 0.0)
+    decode = Request("d", list(range(1, 11)), params, 0.0)
+    out = SchedulerOutput([ScheduledChunk(prompt, 499, 1, []), ScheduledChunk(decode, 9, 1, [])])
+    assert out.chunks[0].is_prefill  # the scheduler's view: still the prompt
+    record = IterationRecord.scheduled(out, 0.0)
+    assert record.prefill_chunks == () and record.decode_contexts == (500, 10)
+    assert record.num_prefill_tokens == 1 and record.num_decode_tokens == 1
+    assert BatchShape.from_output(out).decode_contexts == (500, 10)
 
 
 def test_replay_compares_cpu_time_with_the_cost_model():
@@ -78,13 +105,15 @@ def test_replay_command_reads_a_log_with_a_cpu_profile(tmp_path, capsys):
     write_cpu_profile(tmp_path / "prof", "stallfree.paged_attention")
     (tmp_path / "prof" / "cpu" / "host.json").write_text('{"wall_per_cpu": 3.0}')
     log = IterationLog(tmp_path / "it.jsonl")
+    log.header(block_size=16, threads=2, pipeline_depth=1)
     log.write(_record(0.0, 0.05, decodes=[100] * 8))
     log.close()
     args = ["simulate", "--gpu", "cpu", "--profile-dir", str(tmp_path / "prof"), "--model",
             "smollm2-135m", "replay", str(tmp_path / "it.jsonl"),
             "--result-file", str(tmp_path / "r.json")]
     assert cli_main(args) == 0
-    assert "decode-only" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "decode-only" in printed.out and "2 compute threads" in printed.err
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     # 30 layers x (8 ops x 0.01 ms + attention 0.8 ms) + embedding, head and 1 ms of CPU:
     # in CPU seconds, without the profile's host factor of 3.

@@ -114,8 +114,7 @@ class AttentionMetadata:
         if self.decode_plan is None:
             self.decode_plan = []
             lens = self.decode_context_lens.tolist()
-            kv_bytes_per_token = kv_cache[:, 0, 0].numel() * kv_cache.element_size()
-            groups = decode_groups(lens, bs, kv_bytes_per_token)
+            groups = decode_groups(lens, bs, call_cap_bytes_per_token(kv_cache))
             for group in groups:
                 # Gather only the blocks the group's longest context needs.
                 num_blocks = -(-lens[group[0]] // bs)
@@ -176,6 +175,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             outputs.append(out)
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def call_cap_bytes_per_token(kv_cache: torch.Tensor) -> int:
+    """One layer's K+V bytes per token where calls are capped to stay in the CPU caches;
+    0 elsewhere: on a GPU the cap would only multiply kernel launches."""
+    if kv_cache.device.type != "cpu":
+        return 0
+    return kv_cache[:, 0, 0].numel() * kv_cache.element_size()
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,

@@ -67,15 +67,24 @@ def run_server(args: argparse.Namespace) -> int:
     from .api import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log = None
     try:
         model = _resolve_model(args)
         args.model = model
         kwargs = engine_kwargs(args)
+        # Opened before the model loads, so a bad path fails fast.
         log = IterationLog(args.iteration_log) if args.iteration_log else None
         llm = LLM(**kwargs)
     except (ValueError, OSError) as err:
+        if log is not None:
+            log.close()
         print(f"stallfree: error: {err}", file=sys.stderr)
         return 2
+    if log is not None:
+        import torch
+
+        log.header(block_size=llm.engine.config.cache.block_size,
+                   threads=torch.get_num_threads(), pipeline_depth=llm.engine.executor.depth)
     names = args.served_model_name or [model or DEFAULT_SERVED_MODEL_NAME]
     app = build_app(llm.engine, names, api_key=args.api_key,
                     max_waiting_requests=args.max_waiting_requests, model_root=model,

@@ -242,9 +242,17 @@ def _replay(args: argparse.Namespace) -> int:
     from ..iteration_log import read_iteration_log
     from .replay import format_replay, replay
 
+    settings, records = read_iteration_log(args.iteration_log)
+    if settings.get("threads", 1) > 1 or settings.get("pipeline_depth", 1) > 1:
+        print("stallfree simulate: warning: the server ran with "
+              f"{settings.get('threads')} compute threads and pipeline depth "
+              f"{settings.get('pipeline_depth')}; its cpu_time counts the engine thread's "
+              "own work only, so the comparison holds for one thread in-process",
+              file=sys.stderr)
     # The log's times are CPU seconds: predict them without the host's slowdown.
-    cost = dataclasses.replace(_deployment(args), cpu_slowdown=1.0).cost_model()
-    result = replay(read_iteration_log(args.iteration_log), cost)
+    deployment = dataclasses.replace(_deployment(args), cpu_slowdown=1.0,
+                                     block_size=settings.get("block_size", args.block_size))
+    result = replay(records, deployment.cost_model())
     print(format_replay(result))
     if getattr(args, "result_file", None):
         with open(args.result_file, "w") as f:

@@ -67,9 +67,10 @@ class BatchShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> BatchShape:
+        """As the engine's kernel runs the batch: every one-token chunk attends as a decode."""
         chunks = out.chunks
-        return cls.of(tuple((c.num_tokens, c.start) for c in chunks if c.is_prefill),
-                      tuple(c.start + 1 for c in chunks if not c.is_prefill),
+        return cls.of(tuple((c.num_tokens, c.start) for c in chunks if c.num_tokens > 1),
+                      tuple(c.start + 1 for c in chunks if c.num_tokens == 1),
                       sum(c.samples for c in chunks))
 
     @classmethod

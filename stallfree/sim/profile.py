@@ -189,7 +189,7 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
     prefill = chunk > 0
     per_seq = _blocks(chunk, cached)
     case = batch * per_seq
-    workspace = GatherWorkspace()  # one for the whole run, as the engine's runner keeps
+    workspace = GatherWorkspace()  # shared by the case's batches, as by the engine's layers
     built = [AttentionMetadata.build(
         [(cached if prefill else cached - 1, chunk if prefill else 1,
           list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
@@ -213,7 +213,8 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int, 
                   "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
                   "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
                   "attention_backend": "stallfree.paged_attention", "profile_method": "cpu",
-                  "kv_dtype_bytes": itemsize}
+                  # The kernel caps its calls by KV bytes on CPU only (0: not capped).
+                  "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}
 
 
 def profile_steps(engine: Any, grid: dict[str, Any]

@@ -34,6 +34,8 @@ def replay(records: list[IterationRecord], cost: CostModel) -> dict[str, Any]:
     buckets: dict[tuple[int, int], list[tuple[float, float]]] = {b: [] for b in DECODE_BUCKETS}
     wall = cpu = 0.0
     for r in records:
+        if not r.prefill_chunks and not r.decode_contexts:
+            continue  # nothing computed (the engine logs no such batch)
         shape = BatchShape.of(r.prefill_chunks, r.decode_contexts, r.num_sampled)
         pair = (r.cpu_time, cost.iteration(shape).total(cost.pp))
         wall, cpu = wall + (r.end - r.start), cpu + r.cpu_time
