@@ -137,6 +137,8 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
+    if isinstance(engine, AsyncEngine) and iteration_log is not None:
+        raise ValueError("pass iteration_log to the AsyncEngine itself")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(
         engine, names[0], max_waiting_requests=max_waiting_requests, iteration_log=iteration_log)
     state = _State(async_engine, names, model_root)
