@@ -13,6 +13,8 @@ Pure Python without torch, so the simulator predicts the kernel with the same ru
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Groups split where a request's context falls below half the longest of its group (so
 # padding at most doubles what a group gathers), then merge again where the merged
 # padding would cost less than the extra call.
@@ -23,6 +25,16 @@ CALL_COST_TOKENS = 256
 # 1K-token decodes 1.45-1.6x faster than one call; 12 MiB only 1.1-1.3x, and 1 MiB lost
 # on mixed batches to the extra calls.
 MAX_CALL_BYTES = 4 << 20
+
+
+def split_chunks(chunks: Iterable[tuple[int, int]]
+                 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """(start, num_tokens) of each chunk -> the chunks of several tokens as (num_tokens,
+    start), and the context of each one-token chunk (start + 1), since the kernel runs every
+    one-token chunk as a decode, even a prompt's."""
+    chunks = list(chunks)
+    return (tuple((n, start) for start, n in chunks if n > 1),
+            tuple(start + 1 for start, n in chunks if n == 1))
 
 
 def max_call_tokens(kv_bytes_per_token: int) -> int | None:

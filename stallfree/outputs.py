@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .attention_plan import split_chunks
+
 if TYPE_CHECKING:
     from .scheduler.output import SchedulerOutput
 
@@ -113,9 +115,8 @@ class IterationRecord:
     def scheduled(cls, output: SchedulerOutput, start: float) -> IterationRecord:
         """The record of a batch just scheduled (its end and times come when it completes)."""
         chunks = output.chunks
+        prefills, decodes = split_chunks((c.start, c.num_tokens) for c in chunks)
         return cls(start, 0.0, output.num_prefill_tokens, output.num_decode_tokens, len(chunks),
                    len(output.preempted), tuple(c.request_id for c in chunks),
-                   prefill_chunks=tuple((c.num_tokens, c.start) for c in chunks
-                                        if c.num_tokens > 1),
-                   decode_contexts=tuple(c.start + 1 for c in chunks if c.num_tokens == 1),
+                   prefill_chunks=prefills, decode_contexts=decodes,
                    num_sampled=sum(c.samples for c in chunks))

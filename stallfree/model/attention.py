@@ -14,6 +14,39 @@ import torch.nn.functional as F
 from ..attention_plan import decode_groups
 
 
+class GatherWorkspace:
+    """The reused destination of KV gathers: one buffer for K and one for V.
+
+    A decode batch of a loaded server gathers tens of MB per layer. Fresh tensors that
+    large come from mmap, so every layer page-faults its whole gather in again: on
+    CPU that made the gather about 3x slower past ~40K tokens, at a point that moved
+    with the allocator's history. Writing into one buffer that only grows makes the
+    cost per gathered token flat and repeatable.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache [2, num_blocks, bs, Hkv, D] and [n] block ids -> K and V
+        [n * bs, Hkv, D], valid until the next gather.
+
+        index_select on the leading dim copies whole blocks and is several times faster
+        on CPU than advanced indexing or per-slot gathers.
+        """
+        n = int(blocks.shape[0])
+        buf = self._buffer
+        if (buf is None or buf.shape[1] < n or buf.shape[2:] != kv_cache.shape[2:]
+                or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device):
+            # Grow with headroom so a slowly rising load does not reallocate every step.
+            size = max(n + n // 4, buf.shape[1] if buf is not None else 0)
+            buf = self._buffer = kv_cache.new_empty((2, size, *kv_cache.shape[2:]))
+        k = torch.index_select(kv_cache[0], 0, blocks, out=buf[0, :n])
+        v = torch.index_select(kv_cache[1], 0, blocks, out=buf[1, :n])
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
@@ -36,7 +69,7 @@ class AttentionMetadata:
     decode_plan: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = field(
         default=None, repr=False)
     # Where gathers land; the runner passes one that lives as long as its KV cache.
-    workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace(), repr=False)
+    workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -197,36 +230,3 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask:
     qd = q.reshape(num, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return out.reshape(num, num_heads, head_dim)
-
-
-class GatherWorkspace:
-    """The reused destination of KV gathers: one buffer for K and one for V.
-
-    A decode batch of a loaded server gathers tens of MB per layer. Fresh tensors that
-    large come from mmap, so every layer page-faults its whole gather in again: on
-    CPU that made the gather about 3x slower past ~40K tokens, at a point that moved
-    with the allocator's history. Writing into one buffer that only grows makes the
-    cost per gathered token flat and repeatable.
-    """
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's cache [2, num_blocks, bs, Hkv, D] and [n] block ids -> K and V
-        [n * bs, Hkv, D], valid until the next gather.
-
-        index_select on the leading dim copies whole blocks and is several times faster
-        on CPU than advanced indexing or per-slot gathers.
-        """
-        n = int(blocks.shape[0])
-        buf = self._buffer
-        if (buf is None or buf.shape[1] < n or buf.shape[2:] != kv_cache.shape[2:]
-                or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device):
-            # Grow with headroom so a slowly rising load does not reallocate every step.
-            size = max(n + n // 4, buf.shape[1] if buf is not None else 0)
-            buf = self._buffer = kv_cache.new_empty((2, size, *kv_cache.shape[2:]))
-        k = torch.index_select(kv_cache[0], 0, blocks, out=buf[0, :n])
-        v = torch.index_select(kv_cache[1], 0, blocks, out=buf[1, :n])
-        return k.flatten(0, 1), v.flatten(0, 1)

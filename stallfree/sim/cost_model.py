@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..attention_plan import padded_groups
+from ..attention_plan import padded_groups, split_chunks
 from ..scheduler.output import SchedulerOutput
 from . import profiles as P
 from .hardware import GPUS, GpuSpec, ModelSpec
@@ -68,10 +68,8 @@ class BatchShape:
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> BatchShape:
         """As the engine's kernel runs the batch: every one-token chunk attends as a decode."""
-        chunks = out.chunks
-        return cls.of(tuple((c.num_tokens, c.start) for c in chunks if c.num_tokens > 1),
-                      tuple(c.start + 1 for c in chunks if c.num_tokens == 1),
-                      sum(c.samples for c in chunks))
+        return cls.of(*split_chunks((c.start, c.num_tokens) for c in out.chunks),
+                      sum(c.samples for c in out.chunks))
 
     @classmethod
     def decode(cls, batch: int, context: int) -> BatchShape:

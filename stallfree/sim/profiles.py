@@ -28,8 +28,8 @@ from pathlib import Path
 
 PROFILE_ROOT = Path(__file__).resolve().parent.parent / "data" / "profiles"
 MS = 1e-3
-# Attention backends whose decode gathers every request's KV up to the batch's longest
-# context (a dense padded tensor): their decode cost follows batch x longest context.
+# Attention backends whose decode gathers KV into dense tensors padded to the longest
+# context of each call (stallfree/attention_plan.py): a call costs requests x longest.
 PADDED_DECODE_BACKENDS = ("stallfree.paged_attention",)
 
 # Token-level ops of one decoder layer in mlp.csv ("emb" is per model, not per layer).
@@ -111,7 +111,7 @@ class AttentionProfile:
     # prefill: chunk -> (cached tokens, s); decode: batch -> (context, s)
     prefill: dict[int, tuple[list[float], list[float]]]
     decode: dict[int, tuple[list[float], list[float]]]
-    padded_decode: bool = False  # decode cost by the longest context, not the mean
+    padded_decode: bool = False  # decode cost by each call's longest context, not the mean
     kv_dtype_bytes: int = 0  # bytes per KV element in the profiled kernel (0: not recorded)
 
     @classmethod
