@@ -2,60 +2,43 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import re
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from .config import POLICIES
+from .config import engine_setting_fields
 from .sampling_params import SamplingParams
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
-def parse_size(text: str) -> int:
-    """'512MiB', '2GB', '1e9'-free plain bytes -> bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 512MiB or 2GiB)")
-    unit = (match.group(2) or "").lower().rstrip("b")
-    return int(float(match.group(1)) * _UNITS[unit])
+def add_setting_args(parser: argparse.ArgumentParser, fields: list[dataclasses.Field]) -> None:
+    """One flag per config field, with the field's default, help, choices and parser."""
+    for f in fields:
+        meta = f.metadata
+        flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kind = meta["parse"] or (type(default) if default is not None else str)
+        help_text = meta["help"].replace("%", "%%")
+        parser.add_argument(*flags, dest=f.name, default=default, type=_flag_type(kind),
+                            choices=meta["choices"], help=help_text)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine (names follow vLLM's)."""
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--policy", default="sarathi", choices=POLICIES)
-    parser.add_argument("--token-budget", "--max-num-batched-tokens", dest="token_budget",
-                        type=int, default=512, help="tokens computed per iteration")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                        help="KV cache size, e.g. 1GiB (default: 1GiB on CPU, most of free GPU memory)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                        help="split every layer over N worker processes")
-    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                        help="split the layers into M pipeline stages (M micro-batches in flight)")
-    parser.add_argument("--num-local-workers", type=int, default=None,
-                        help="ranks started here (default: all); the rest join with "
-                             "`stallfree worker` from other machines")
+    add_setting_args(parser, engine_setting_fields())
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, policy=args.policy, token_budget=args.token_budget,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                dtype=args.dtype, device=args.device, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=args.pipeline_parallel_size,
-                num_local_workers=args.num_local_workers)
+    return {f.name: getattr(args, f.name) for f in engine_setting_fields()}
 
 
 def build_parser() -> argparse.ArgumentParser:

