@@ -84,8 +84,8 @@ def main() -> None:
     llm = LLM(max_model_len=4096)
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    params_non_embedding = sum(p.numel() for n, p in engine.model.named_parameters()
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())
+    params_non_embedding = sum(p.numel() for n, p in engine.executor.model.named_parameters()
                                if "embed" not in n)
     bandwidth = memory_floor_gbps(device)
     matmul = matmul_floor_gflops(device, dtype)

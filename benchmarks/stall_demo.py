@@ -38,14 +38,13 @@ def run(llm: LLM, policy: str, budget: int, long_prompt: list[int]) -> dict:
     ids = [f"short-{i}" for i in range(len(SHORT))]
     for rid, prompt in zip(ids, SHORT):
         engine.add_request(rid, prompt, params)
-    start, long_added = time.monotonic(), False
+    start, long_added, outputs = time.monotonic(), False, {}
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs.update((out.request_id, out) for out in engine.step().finished)
         if not long_added and all(len(engine.request_output(r).token_ids) >= 10 for r in ids):
             engine.add_request("long", long_prompt,
                                SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
             long_added, long_arrival = True, time.monotonic()
-    outputs = {rid: engine.release(rid) for rid in ids + ["long"]}
     gaps = [g for rid in ids for g in outputs[rid].tbt]
     return {"policy": policy, "budget": budget, "start": start, "long_arrival": long_arrival,
             "outputs": outputs, "max_gap": max(gaps),

@@ -27,14 +27,23 @@ CALL_COST_TOKENS = 256
 MAX_CALL_BYTES = 4 << 20
 
 
+def attends_as_decode(num_tokens: int) -> bool:
+    """Whether the kernel runs a chunk as a decode: every one-token chunk, even a prompt's.
+
+    The scheduler's `is_prefill` is a different question (does the chunk belong to a
+    prompt, for the budget's accounting); the two differ only for a prompt's chunk of one.
+    """
+    return num_tokens == 1
+
+
 def split_chunks(chunks: Iterable[tuple[int, int]]
                  ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
     """(start, num_tokens) of each chunk -> the chunks of several tokens as (num_tokens,
     start), and the context of each one-token chunk (start + 1), since the kernel runs every
     one-token chunk as a decode, even a prompt's."""
     chunks = list(chunks)
-    return (tuple((n, start) for start, n in chunks if n > 1),
-            tuple(start + 1 for start, n in chunks if n == 1))
+    return (tuple((n, start) for start, n in chunks if not attends_as_decode(n)),
+            tuple(start + 1 for start, n in chunks if attends_as_decode(n)))
 
 
 def max_call_tokens(kv_bytes_per_token: int) -> int | None:

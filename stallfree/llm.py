@@ -73,17 +73,12 @@ class LLM:
             raise
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
-            while pending:
-                for out in self.engine.step():
-                    rid = out.request_id
-                    # With n > 1 the last sequence to finish completes the request.
-                    if out.finish_reason and rid in pending and self.engine.is_finished(rid):
-                        results[rid] = self.engine.release(rid)
-                        pending.discard(rid)
-                        bar.update(1)
+            while len(results) < len(ids):
+                for out in self.engine.step().finished:
+                    results[out.request_id] = out
+                    bar.update(1)
         return [results[rid] for rid in ids]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],

@@ -120,3 +120,24 @@ class IterationRecord:
                    len(output.preempted), tuple(c.request_id for c in chunks),
                    prefill_chunks=prefills, decode_contexts=decodes,
                    num_sampled=sum(c.samples for c in chunks))
+
+
+@dataclass
+class StepResult:
+    """What one `LLMEngine.step()` did."""
+
+    outputs: list[StepOutput]  # one per sequence that got a token
+    # Requests whose every sequence is finished, already released by the engine.
+    finished: list[RequestOutput]
+    record: IterationRecord | None  # the iteration that completed; None when idle
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load, for gauges and admission control."""
+
+    num_running: int
+    num_waiting: int  # sequences, not caller requests
+    kv_usage: float  # fraction of KV blocks in use
+    num_free_blocks: int
+    num_total_blocks: int

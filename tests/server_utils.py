@@ -6,7 +6,6 @@ import re
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -14,7 +13,8 @@ import httpx
 
 from stallfree.bench.systems import ServerProcess as LaunchedServer
 from stallfree.bench.systems import System, free_port
-from stallfree.outputs import CompletionOutput, RequestOutput, StepOutput
+from stallfree.outputs import (CompletionOutput, EngineStats, RequestOutput, StepOutput,
+                               StepResult)
 
 
 class ServerProcess(LaunchedServer):
@@ -117,21 +117,21 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = threading.Event()
-        self.iterations: deque = deque(maxlen=1000)
         self._requests: dict[str, _FakeRequest] = {}
-        self.scheduler = SimpleNamespace(num_waiting=0, num_running=0)
-        self.block_manager = SimpleNamespace(usage=0.0, num_free_blocks=100, num_total_blocks=100)
+        self._stats = EngineStats(0, 0, 0.0, 100, 100)
+
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
     def _count(self) -> None:
         live = [r for r in self._requests.values() if any(f is None for f in r.finish)]
-        running = sum(1 for r in live if r.first_scheduled is not None)
         n = lambda rs: sum(r.params.n for r in rs)  # noqa: E731
-        self.scheduler.num_running = n([r for r in live if r.first_scheduled is not None])
-        self.scheduler.num_waiting = n(live) - self.scheduler.num_running
-        self.block_manager.usage = min(1.0, running / 100)
+        running = [r for r in live if r.first_scheduled is not None]
+        self._stats = EngineStats(n(running), n(live) - n(running), min(1.0, len(running) / 100),
+                                  100, 100)
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
         if not prompt:
@@ -153,12 +153,12 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return any(any(f is None for f in r.finish) for r in self._requests.values())
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         time.sleep(self.step_delay)
         if self.fail.is_set():
             raise RuntimeError("simulated engine failure")
         if not self.gate.is_set():
-            return []
+            return StepResult([], [], None)
         now = time.monotonic()
         outs = []
         for rid, r in self._requests.items():
@@ -172,17 +172,15 @@ class FakeEngine:
                 if len(r.outputs[i]) >= (r.params.max_tokens or 8):
                     r.finish[i] = "length"
                 outs.append(StepOutput(rid, i, [ord("x")], "x", r.finish[i]))
-        self.iterations.append(SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=len(outs),
-                                               num_preempted=0))
+        finished = [self._release(rid) for rid, r in list(self._requests.items())
+                    if all(f is not None for f in r.finish)]
+        record = SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=len(outs),
+                                 num_preempted=0)
         self._count()
-        return outs
+        return StepResult(outs, finished, record)
 
-    def is_finished(self, request_id) -> bool:
-        return all(f is not None for f in self._requests[request_id].finish)
-
-    def release(self, request_id) -> RequestOutput:
+    def _release(self, request_id) -> RequestOutput:
         r = self._requests.pop(request_id)
-        self._count()
         outs = [CompletionOutput(i, "x" * len(o), o, r.finish[i], r.times[i])
                 for i, o in enumerate(r.outputs)]
         return RequestOutput(request_id, None, r.prompt, outs, r.arrival, r.first_scheduled)

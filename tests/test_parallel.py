@@ -16,7 +16,7 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.bench.systems import free_port
-from stallfree.distributed.executor import WorkerError
+from stallfree.distributed.distributed_executor import WorkerError
 
 CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -85,12 +85,12 @@ def test_pipeline_keeps_several_micro_batches_in_flight(small_model, single_toke
         engine = llm.engine
         for i in range(3):
             engine.add_request(f"x{i}", PROMPTS[i], GREEDY)
-        engine.step()
+        finished = {out.request_id: out for out in engine.step().finished}
         engine.abort_request("x0")
         while engine.has_unfinished_requests():
-            engine.step()
-        assert [engine.release(f"x{i}").outputs[0].token_ids for i in (1, 2)] \
-            == single_tokens[1:3]
+            finished.update((out.request_id, out) for out in engine.step().finished)
+        assert "x0" not in finished
+        assert [finished[f"x{i}"].outputs[0].token_ids for i in (1, 2)] == single_tokens[1:3]
     in_flight = sum(_overlaps(a, b) for a, b in zip(records, records[1:]))
     assert in_flight > len(records) // 2, "micro-batches ran one at a time"
     # The workers' own stage clocks: stage 0 starts batch k+1 before stage 1 ends batch k.

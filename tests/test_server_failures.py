@@ -68,7 +68,7 @@ def test_full_waiting_queue_answers_503_at_once(serve):
             body = {"prompt": "hi", "max_tokens": 3}
             held = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
             deadline = time.monotonic() + 10
-            while engine.scheduler.num_waiting < 2:
+            while engine.stats().num_waiting < 2:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
             start = time.monotonic()
@@ -110,7 +110,7 @@ def test_engine_failure_fails_in_flight_requests_and_health(serve):
 
             streamed = asyncio.create_task(stream())
             deadline = time.monotonic() + 10
-            while engine.scheduler.num_waiting < 3:
+            while engine.stats().num_waiting < 3:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
             engine.fail.set()

@@ -13,7 +13,7 @@ import pytest
 import stallfree.engine as engine_module
 from stallfree.bench.workload import WorkloadConfig, build_workload
 from stallfree.config import CacheConfig, SchedulerConfig
-from stallfree.executor.runner import RunnerOutput
+from stallfree.executor.base import RunnerOutput
 from stallfree.model.llama import kv_cache_bytes_per_token
 from stallfree.sampling_params import SamplingParams
 from stallfree.sim.cost_model import BatchShape, ConstantCostModel
@@ -44,7 +44,7 @@ def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
 
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock.now,
                                                               thread_time=lambda: 0.0))
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.executor.runner, "execute", execute)
     specs = build_workload(WorkloadConfig(dataset="random", num_prompts=24, request_rate=25.0,
                                           seed=7, random_input_len=20, random_output_len=10,
                                           random_range_ratio=0.8, burstiness=0.5))
@@ -59,12 +59,11 @@ def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
             if not engine.has_unfinished_requests():
                 clock.now = pending[0].arrival
                 continue
-            engine.step()
-            for rid in [r for r in list(engine._groups) if engine.is_finished(r)]:
-                token_times[rid] = engine.release(rid).outputs[0].token_times
+            for out in engine.step().finished:
+                token_times[out.request_id] = out.outputs[0].token_times
     finally:
-        for rid in list(engine._groups):  # a failure must not leave the shared engine busy
-            engine.abort_request(rid)
+        for s in specs:  # a failure must not leave the shared engine busy
+            engine.abort_request(str(s.index))
         engine.reconfigure(*saved)
 
     res = simulate(specs, SimConfig(sched, num_blocks, block_size, 0.0, keep_outputs=True),

@@ -117,7 +117,7 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
 def _loop(store: dist.Store, rank: int, shard, model, model_config, dtype: torch.dtype,
           device: torch.device, seed: int, pipe, check) -> None:
     """Runs messages msg/0, msg/1, ... in order until `check` raises SystemExit."""
-    from ..executor.runner import ModelRunner
+    from ..executor.model_runner import ModelRunner
 
     reporter = shard.is_last_stage and shard.tp_rank == 0
     runner = None

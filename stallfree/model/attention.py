@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..attention_plan import decode_groups
+from ..attention_plan import attends_as_decode, decode_groups
 
 
 class GatherWorkspace:
@@ -92,7 +92,7 @@ class AttentionMetadata:
             if len(table) * block_size < start + n:
                 raise ValueError(f"seq {i}: block table of {len(table)} blocks cannot hold "
                                  f"{start + n} tokens at block_size {block_size}")
-            if n == 1:
+            if attends_as_decode(n):
                 seen_decode = True
             elif seen_decode:
                 raise ValueError("prefill chunks (num_new_tokens > 1) must come before decodes")
@@ -110,8 +110,8 @@ class AttentionMetadata:
         pos = starts[seq_idx] + torch.arange(int(counts.sum())) - first_row[seq_idx]
         slots = tables[seq_idx, pos // block_size] * block_size + pos % block_size
 
-        prefills = [(s, n, t) for s, n, t in seqs if n > 1]
-        decodes = [(s, n, t) for s, n, t in seqs if n == 1]
+        prefills = [(s, n, t) for s, n, t in seqs if not attends_as_decode(n)]
+        decodes = [(s, n, t) for s, n, t in seqs if attends_as_decode(n)]
         dec_blocks = max((len(t) for _, _, t in decodes), default=1)
         meta = cls(
             slot_mapping=slots.to(device),

@@ -68,6 +68,9 @@ class Scheduler:
     chunked_prefill: ClassVar[bool] = True
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.max_model_len is None:
+            raise ValueError("max_model_len is unset: resolve it against the model first "
+                             "(SchedulerConfig.resolved)")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
@@ -78,12 +81,13 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
+        # The one check of a prompt's length, for the engine and the simulator alike.
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
+            raise ValueError("prompt must not be empty")
         if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"request {rid!r}: the prompt has {request.num_prompt_tokens} tokens "
-                             f"but max_model_len is {self.config.max_model_len}; it must be "
-                             f"shorter to leave room for at least one output token")
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, but max_model_len "
+                             f"is {self.config.max_model_len}: it must be shorter to leave room "
+                             f"for output")
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:

@@ -174,9 +174,10 @@ class AsyncEngine:
             if fut.cancelled():
                 return
             limit = self.max_waiting_requests
-            if limit is not None and engine.scheduler.num_waiting >= limit:
+            waiting = engine.stats().num_waiting
+            if limit is not None and waiting >= limit:
                 _reply(loop, fut, error=QueueFullError(
-                    f"the server is busy: {engine.scheduler.num_waiting} sequences are waiting "
+                    f"the server is busy: {waiting} sequences are waiting "
                     f"(--max-waiting-requests {limit}); retry later"))
                 return
             try:
@@ -197,20 +198,18 @@ class AsyncEngine:
             self._stopping = True
 
     def _step(self) -> None:
-        engine, metrics = self.engine, self.metrics
-        last = engine.iterations[-1] if engine.iterations else None
-        outputs: list[StepOutput] = engine.step()
-        record = engine.iterations[-1] if engine.iterations else None
-        if record is not None and record is not last:
+        metrics = self.metrics
+        step = self.engine.step()
+        record = step.record
+        if record is not None:
             metrics.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
             if self.iteration_log is not None:
                 self.iteration_log.write(record)
             if record.num_preempted:
                 metrics.preemptions.inc(record.num_preempted)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        finished: dict[str, _Tracked] = {}
         generated = 0
-        for out in outputs:  # each carries a new token
+        for out in step.outputs:  # each carries a new token
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
@@ -219,14 +218,12 @@ class AsyncEngine:
                 tracked.prompt_counted = True
                 metrics.prompt_tokens.inc(tracked.prompt_len)
             deliveries.setdefault(tracked.loop, []).append((tracked.queue, out))
-            # With n > 1 the last sequence to finish completes the request.
-            if out.finish_reason and engine.is_finished(out.request_id):
-                finished[out.request_id] = tracked
         if generated:
             metrics.generation_tokens.inc(generated)
-        for rid, tracked in finished.items():
-            final: RequestOutput = engine.release(rid)
-            del self._tracked[rid]
+        for final in step.finished:
+            tracked = self._tracked.pop(final.request_id, None)
+            if tracked is None:
+                continue
             deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
             metrics.observe_finished(final)
         self._deliver(deliveries)
@@ -240,13 +237,12 @@ class AsyncEngine:
                 pass
 
     def _update_gauges(self) -> None:
-        engine, metrics = self.engine, self.metrics
-        metrics.running.set(engine.scheduler.num_running)
-        metrics.waiting.set(engine.scheduler.num_waiting)
-        bm = engine.block_manager
-        metrics.kv_usage.set(bm.usage)
-        metrics.kv_free_blocks.set(bm.num_free_blocks)
-        metrics.kv_total_blocks.set(bm.num_total_blocks)
+        stats, metrics = self.engine.stats(), self.metrics
+        metrics.running.set(stats.num_running)
+        metrics.waiting.set(stats.num_waiting)
+        metrics.kv_usage.set(stats.kv_usage)
+        metrics.kv_free_blocks.set(stats.num_free_blocks)
+        metrics.kv_total_blocks.set(stats.num_total_blocks)
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from ..request import Request
 from ..sampling_params import SamplingParams
 from ..scheduler import BlockManager, Scheduler, make_scheduler
 from ..scheduler.output import SchedulerOutput
+from ..scheduler.pipeline import next_micro_batch
 from .cost_model import BatchShape, CostModel
 
 FAKE_TOKEN = 0  # never an EOS: requests carry ignore_eos and no stop tokens
@@ -138,10 +139,6 @@ class Simulator:
         self._where: dict[str, _InFlight] = {}  # request id -> its micro-batch in flight
         self._seq = itertools.count()
 
-    # ---- one scheduling decision ------------------------------------------------------
-    def _schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule(self.now, frozenset(self._where))
-
     def _launch(self, out: SchedulerOutput) -> None:
         cost = self.cost.iteration(BatchShape.from_output(out))
         t = self.now + cost.cpu
@@ -189,14 +186,11 @@ class Simulator:
                 except ValueError as err:  # the server answers 400 to such a request
                     requests[spec.index] = None
                     errors[spec.index] = f"HTTP 400: {err}"
-            if len(self._inflight) < self.pp and self._stage_free[0] <= self.now \
-                    and self.scheduler.has_unfinished_requests():
-                out = self._schedule()
-                if not out.is_empty:
+            if len(self._inflight) < self.pp and self._stage_free[0] <= self.now:
+                out = next_micro_batch(self.scheduler, self.now, self._where,
+                                       len(self._inflight))
+                if out is not None:
                     self._launch(out)
-                elif not self._inflight and not self.scheduler.num_running:
-                    raise RuntimeError("scheduler admitted nothing although requests are "
-                                       "waiting and none is running")
             # Advance to the next event: a completion, an arrival, or stage 0 freeing up.
             events = []
             if self._inflight:

@@ -19,7 +19,7 @@ from collections import deque
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..executor.runner import RunnerOutput
+from ..executor.base import RunnerOutput
 from ..scheduler.output import SchedulerOutput
 from . import channel
 from .worker import WorkerConfig, WorkerInfo
@@ -92,7 +92,11 @@ class DistributedExecutor:
         channel.put(self.store, f"msg/{index}", (kind, payload))
         return index
 
-    # ---- the executor interface ---------------------------------------------
+    # ---- the executor interface (executor/base.py) -----------------------------
+    def free_memory(self) -> int | None:
+        free = [w.free_memory for w in self.workers]
+        return None if None in free else min(free)
+
     def reset_kv(self, num_blocks: int, block_size: int) -> None:
         """(Re)allocates every rank's KV cache; waits until all have done it."""
         assert not self._in_flight, "KV cache reset with batches in flight"

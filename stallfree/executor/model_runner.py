@@ -1,26 +1,17 @@
 """Runs one scheduled iteration (a mixed batch of prefill chunks and decodes) on the model."""
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from ..attention_plan import attends_as_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace
 from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..model.config import ModelConfig
 from ..scheduler.output import SchedulerOutput
-from ..outputs import TokenLogprobs
+from .base import RunnerOutput
 from .sampler import Sampler, token_logprobs
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
-    # (start, end) of this batch on each pipeline stage, monotonic clock; empty in-process.
-    stage_times: list[tuple[float, float]] = field(default_factory=list)
 
 
 class StagePipe(Protocol):
@@ -59,7 +50,7 @@ class ModelRunner:
         if not output.chunks:
             return RunnerOutput()
         # The attention kernel wants prefill chunks first, then single-token decodes.
-        chunks = sorted(output.chunks, key=lambda c: c.num_tokens == 1)
+        chunks = sorted(output.chunks, key=lambda c: attends_as_decode(c.num_tokens))
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -91,22 +82,3 @@ class ModelRunner:
         logprobs = token_logprobs(logits, tokens, requests)
         return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
                             {requests[i].request_id: lp for i, lp in logprobs.items()})
-
-
-class LocalExecutor:
-    """The whole model in this process: each batch runs when it is submitted."""
-
-    depth = 1  # micro-batches in flight at most
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self._done: deque[RunnerOutput] = deque()
-
-    def submit(self, output: SchedulerOutput) -> None:
-        self._done.append(self.runner.execute(output))
-
-    def receive(self) -> RunnerOutput:
-        return self._done.popleft()
-
-    def shutdown(self) -> None:
-        self._done.clear()

@@ -1,0 +1,40 @@
+"""What every executor offers the engine, and what a batch gives back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..outputs import TokenLogprobs
+from ..scheduler.output import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
+    # (start, end) of this batch on each pipeline stage, monotonic clock; empty in-process.
+    stage_times: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Executor(Protocol):
+    """Runs scheduled batches on the model, wherever its weights live.
+
+    `submit` starts a batch and `receive` returns the oldest unfinished one's result,
+    so an executor with `depth` > 1 (pipeline stages) overlaps up to `depth` batches.
+    """
+
+    depth: int  # micro-batches in flight at most (the pipeline's stages)
+
+    def free_memory(self) -> int | None:
+        """Accelerator bytes free for the KV cache after the weights (the least over
+        ranks); None on CPU."""
+
+    def reset_kv(self, num_blocks: int, block_size: int) -> None:
+        """(Re)allocates the KV cache (dropping the old one first); no batch in flight."""
+
+    def submit(self, output: SchedulerOutput) -> None: ...
+
+    def receive(self) -> RunnerOutput: ...
+
+    def shutdown(self) -> None:
+        """Stops worker processes, if any; the executor is unusable after."""

@@ -1,0 +1,45 @@
+"""The whole model in this process: each batch runs when it is submitted."""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.llama import LlamaForCausalLM
+from ..scheduler.output import SchedulerOutput
+from .base import RunnerOutput
+from .model_runner import ModelRunner
+
+
+class LocalExecutor:
+    depth = 1
+
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = device
+        self.seed = seed
+        self.runner: ModelRunner | None = None  # made with the KV cache, by reset_kv
+        self._done: deque[RunnerOutput] = deque()
+
+    def free_memory(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def reset_kv(self, num_blocks: int, block_size: int) -> None:
+        self.runner = None  # drop the old KV cache before allocating the new one
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
+                                  self.dtype, self.device, seed=self.seed)
+
+    def submit(self, output: SchedulerOutput) -> None:
+        self._done.append(self.runner.execute(output))
+
+    def receive(self) -> RunnerOutput:
+        return self._done.popleft()
+
+    def shutdown(self) -> None:
+        self._done.clear()

@@ -1,0 +1,74 @@
+"""A caller's request: n sequences sampled from one prompt, and their text so far."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
+from .request import Request
+from .sampling_params import SamplingParams
+
+
+class RequestGroup:
+    """The n child sequences of one request (child i of "r" is "r#i" when n > 1).
+
+    A request is finished when its last sequence is: this is the one place that rule
+    lives, for the offline API and the server alike.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, tokenizer: Any,
+                 eos_token_ids: frozenset[int] | set[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = arrival_time
+        self.children: list[Request] = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            self.children.append(Request(child_id, prompt_token_ids, child_params, arrival_time,
+                                         eos_token_ids=eos_token_ids))
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, params.stop,
+                                                    params.include_stop_str_in_output)
+                             for _ in self.children]
+        self.stop_hit = [False] * params.n
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in self.children]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+    def append(self, index: int, token: int, logprobs: TokenLogprobs | None) -> tuple[str, bool]:
+        """Adds child `index`'s new token; returns its new text and whether a stop string
+        has just ended it (the caller then finishes the child in the scheduler)."""
+        delta, hit = "", False
+        detokenizer = self.detokenizers[index]
+        if not self.stop_hit[index]:
+            delta, hit = detokenizer.append(token)
+            self.stop_hit[index] = hit
+        if logprobs is not None:
+            self.logprobs[index].append(logprobs)
+        return delta, hit
+
+    def step_output(self, index: int, token: int, delta: str,
+                    logprobs: TokenLogprobs | None) -> StepOutput:
+        child = self.children[index]
+        if child.is_finished:
+            delta += self.detokenizers[index].flush()
+        return StepOutput(self.request_id, index, [token], delta, child.finish_reason,
+                          None if logprobs is None else [logprobs])
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(i, detok.text, list(child.output_token_ids),
+                                    child.finish_reason, list(child.token_times),
+                                    child.num_preemptions,
+                                    list(self.logprobs[i])
+                                    if child.sampling_params.logprobs is not None else None)
+                   for i, (child, detok) in enumerate(zip(self.children, self.detokenizers))]
+        first = [c.first_scheduled_time for c in self.children if c.first_scheduled_time]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             self.arrival_time, min(first) if first else None)
