@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from layering import check_layering, private_imports_from
 
 PACKAGE_ROOT = Path(importlib.util.find_spec("stallfree").submodule_search_locations[0])
