@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP API: `build_app(engine, served_model_name)` -> FastAPI app.
 
 The app is assembled here (state, lifespan, error handlers, API key); its routes
-live in `routes/`, one router per concern, and reach the state via `get_state`.
+live in `routes/`, one router per concern, and reach the state via `StateDep`.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import FastAPI
 

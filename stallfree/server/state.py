@@ -1,14 +1,15 @@
 """What every route of one app shares: the engine bridge, the served names and the checks.
 
-Routes reach it through the `get_state` dependency (it lives on `app.state`), so the
+Routes reach it through the `StateDep` dependency (it lives on `app.state`), so the
 routers are plain module-level objects and one process can hold several apps.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from ..model.tokenizer import chat_prompt_ids
 from ..sampling_params import SamplingParams
@@ -97,3 +98,7 @@ class ServerState:
 def get_state(request: Request) -> ServerState:
     """The FastAPI dependency that hands a route its app's state."""
     return request.app.state.stallfree
+
+
+# How a route asks for its app's state: a parameter `state: StateDep`.
+StateDep = Annotated[ServerState, Depends(get_state)]

@@ -5,7 +5,7 @@ import asyncio
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from ...outputs import RequestOutput, StepOutput
 from ..errors import ERROR_RESPONSES
@@ -17,7 +17,7 @@ from ..protocol import (
     ChatResponseMessage,
     Usage,
 )
-from ..state import ServerState, get_state
+from ..state import StateDep
 from ..streaming import usage_of
 from .generation import reply, start_call
 
@@ -31,7 +31,7 @@ def _choice(index: int, delta: dict, finish: str | None, logprobs: dict | None =
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
-                                 state: ServerState = Depends(get_state)) -> Any:
+                                 state: StateDep) -> Any:
     arrival = time.monotonic()
     model, params = state.check_request(body)
     ids = await asyncio.to_thread(state.apply_chat_template, body.conversation())

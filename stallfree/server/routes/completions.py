@@ -5,13 +5,13 @@ import asyncio
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from ...outputs import RequestOutput, StepOutput
 from ..errors import ERROR_RESPONSES
 from ..logprobs import completion_logprobs
 from ..protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from ..state import ServerState, get_state
+from ..state import StateDep
 from ..streaming import usage_of
 from .generation import reply, start_call
 
@@ -24,7 +24,7 @@ def _choice(index: int, text: str, finish: str | None, logprobs: dict | None = N
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, raw: Request,
-                            state: ServerState = Depends(get_state)) -> Any:
+                            state: StateDep) -> Any:
     arrival = time.monotonic()
     model, params = state.check_request(body)
     prompts = body.prompts()

@@ -3,8 +3,9 @@ outputs as server-sent events or collecting them into one response."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response

@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize: the served model's tokenizer and chat template."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from ..errors import ERROR_RESPONSES, APIError
 from ..protocol import (
@@ -11,14 +11,14 @@ from ..protocol import (
     TokenizeResponse,
     conversation_of,
 )
-from ..state import ServerState, get_state
+from ..state import StateDep
 
 router = APIRouter()
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest,
-                   state: ServerState = Depends(get_state)) -> TokenizeResponse:
+                   state: StateDep) -> TokenizeResponse:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt",
@@ -34,7 +34,7 @@ async def tokenize(body: TokenizeRequest,
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest,
-                     state: ServerState = Depends(get_state)) -> DetokenizeResponse:
+                     state: StateDep) -> DetokenizeResponse:
     state.check_model(body.model)
     state.check_token_ids(body.tokens, "tokens")
     return DetokenizeResponse(prompt=state.decode(body.tokens))
