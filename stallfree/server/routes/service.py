@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from ..errors import ERROR_RESPONSES, error_response
-from ..metrics import CONTENT_TYPE
+from ..prometheus import CONTENT_TYPE
 from ..protocol import ModelCard, ModelList
 from ..state import StateDep
 
