@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from .config import engine_setting_fields
+from .config import EngineConfig, engine_setting_fields, setting_fields
 from .sampling_params import SamplingParams
 
 def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -29,7 +29,8 @@ def add_setting_args(parser: argparse.ArgumentParser, fields: list[dataclasses.F
         kind = meta["parse"] or (type(default) if default is not None else str)
         help_text = meta["help"].replace("%", "%%")
         parser.add_argument(*flags, dest=f.name, default=default, type=_flag_type(kind),
-                            choices=meta["choices"], help=help_text)
+                            choices=meta["choices"], help=help_text, nargs=meta.get("nargs"),
+                            metavar=meta.get("metavar"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +45,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallfree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from .server import add_serve_args  # light: no fastapi or torch until run
+    from .server import ServerConfig  # light: no fastapi or torch until run
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(srv)
-    add_serve_args(srv)
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="GGUF file or Hugging Face directory (same as --model)")
+    add_setting_args(srv, setting_fields(ServerConfig))
     gen = sub.add_parser("generate", help="complete prompts offline and print the results")
     add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -126,9 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_convert(args)
         if args.command == "serve":
-            from .server import run_server
+            from .server import ServerConfig, serve
 
-            return run_server(args)
+            if args.model_tag and args.model and args.model_tag != args.model:
+                raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+            engine_config = EngineConfig.from_kwargs(
+                **{**engine_kwargs(args), "model": args.model_tag or args.model})
+            return serve(engine_config, ServerConfig(
+                **{f.name: getattr(args, f.name) for f in setting_fields(ServerConfig)}))
     except ValueError as err:
         print(f"stallfree: error: {err}", file=sys.stderr)
         return 2

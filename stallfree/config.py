@@ -63,7 +63,7 @@ class SchedulerConfig:
         flags=("--max-num-batched-tokens", "--token-budget"), aliases=("max_num_batched_tokens",))
     max_num_seqs: int = option(128, "requests running at once")
     max_model_len: int | None = option(
-        None, "prompt + output limit per request (default: the model's own)")
+        None, "prompt + output limit per request (default: the model's own)", parse=int)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -116,7 +116,7 @@ class ParallelConfig:
     # The other ranks join from other machines with `stallfree worker` (docs/parallelism.md).
     num_local_workers: int | None = option(
         None, "ranks started here (default: all); the rest join with `stallfree worker` "
-              "from other machines")
+              "from other machines", parse=int)
     startup_timeout: float = option(600.0, "seconds for every worker to load its shard",
                                     flags=("--worker-startup-timeout",))
 

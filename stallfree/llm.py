@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .model.tokenizer import chat_prompt_ids
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -90,13 +91,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[Message]) -> list[int]:
-        if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                       for m in conversation):
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                 tokenize=True)
-        # Newer transformers return a BatchEncoding rather than a bare list.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, conversation)
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -113,7 +113,7 @@ def test_logprobs_in_both_formats(client):
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == done.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         # Greedy picks the most likely token, so it heads the alternatives.
         assert len(top) == 3 and logprob <= 0 and max(top.values()) == pytest.approx(logprob)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

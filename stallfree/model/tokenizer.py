@@ -30,3 +30,19 @@ def eos_token_ids(tokenizer: Any, config: ModelConfig) -> frozenset[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def chat_prompt_ids(tokenizer: Any, conversation: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The prompt token ids of a conversation under the tokenizer's chat template.
+
+    Raises ValueError unless the conversation is a non-empty list of {'role',
+    'content'} dicts; the template's own errors (e.g. a role it refuses) pass through.
+    """
+    if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                   for m in conversation):
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    # Newer transformers return a BatchEncoding rather than a bare list.
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

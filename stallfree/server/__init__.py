@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP server (`stallfree serve`).
 
 Importing this package is cheap: FastAPI, uvicorn and torch load only when a
-server is built (`build_app`) or run (`run_server`).
+server is built (`build_app`) or run (`serve`).
 """
-from .serve import DEFAULT_SERVED_MODEL_NAME, add_serve_args, run_server
+from .config import DEFAULT_SERVED_MODEL_NAME, ServerConfig
+from .serve import serve
 
-__all__ = ["add_serve_args", "run_server", "build_app", "AsyncEngine",
-           "DEFAULT_SERVED_MODEL_NAME"]
+__all__ = ["ServerConfig", "serve", "build_app", "AsyncEngine", "DEFAULT_SERVED_MODEL_NAME"]
 
 
 def __getattr__(name: str):

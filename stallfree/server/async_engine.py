@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Sequence
 from ..iteration_log import IterationLog
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics
+from .prometheus import ServerMetrics
 
 logger = logging.getLogger("stallfree.server")
 

@@ -11,12 +11,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import EngineDeadError
+from .protocol import ErrorResponse
 
 logger = logging.getLogger("stallfree.server")
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "include_stop_str_in_output")
+
+
+# What the routes document besides their success response.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Bad request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    500: {"model": ErrorResponse, "description": "Engine failure"},
+    503: {"model": ErrorResponse, "description": "Queue full or engine stopped"},
+}
 
 
 # ---- errors -----------------------------------------------------------------

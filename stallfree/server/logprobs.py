@@ -1,7 +1,7 @@
 """OpenAI's two logprobs formats (legacy completions, chat) from the engine's records."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..outputs import TokenLogprobs
 

@@ -178,6 +178,11 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: {'role', 'content'} with text content."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
 
@@ -193,7 +198,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return conversation_of(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()

@@ -1,0 +1,60 @@
+"""POST /v1/chat/completions: the chat template applied, then generated like a completion."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ...outputs import RequestOutput, StepOutput
+from ..errors import ERROR_RESPONSES
+from ..logprobs import chat_logprobs
+from ..protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    Usage,
+)
+from ..state import StateDep
+from ..streaming import usage_of
+from .generation import reply, start_call
+
+router = APIRouter()
+
+
+def _choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
+                                 state: StateDep) -> Any:
+    arrival = time.monotonic()
+    model, params = state.check_request(body)
+    ids = await asyncio.to_thread(state.apply_chat_template, body.conversation())
+    call = await start_call(state, "chatcmpl", "chat.completion.chunk", model, [ids], params,
+                            arrival)
+
+    def step_chunk(_: int, item: StepOutput) -> dict:
+        delta = {"content": item.new_text} if item.new_text else {}
+        logprobs = (None if item.logprobs is None
+                    else chat_logprobs(item.logprobs, state.decode_one))
+        return call.chunk(_choice(item.index, delta, item.finish_reason, logprobs))
+
+    def response(finals: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = [ChatCompletionChoice(index=o.index,
+                                        message=ChatResponseMessage(content=o.text),
+                                        logprobs=None if o.logprobs is None else chat_logprobs(
+                                            o.logprobs, state.decode_one),
+                                        finish_reason=o.finish_reason)
+                   for o in finals[0].outputs]
+        return ChatCompletionResponse(id=call.id, created=call.created, model=model,
+                                      choices=choices, usage=Usage(**usage_of(finals)))
+
+    # Each choice's stream opens with the assistant's role, as OpenAI's does.
+    roles = [call.chunk(_choice(j, {"role": "assistant", "content": ""}, None))
+             for j in range(params.n)]
+    return await reply(raw, call, body, roles, step_chunk, response)

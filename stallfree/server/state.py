@@ -1,0 +1,104 @@
+"""What every route of one app shares: the engine bridge, the served names and the checks.
+
+Routes reach it through the `StateDep` dependency (it lives on `app.state`), so the
+routers are plain module-level objects and one process can hold several apps.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from ..model.tokenizer import chat_prompt_ids
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
+from .errors import APIError, bad_value
+
+
+class ServerState:
+    """One app's engine (an `AsyncEngine`), its served model names and request checks."""
+
+    def __init__(self, engine: AsyncEngine, names: list[str], root: str | None) -> None:
+        self.engine = engine
+        self.names = names
+        self.root = root
+        self.created = int(time.time())
+
+    @property
+    def llm_engine(self) -> Any:
+        """The `LLMEngine` itself: only its tokenizer and limits are read from here."""
+        return self.engine.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.max_model_len
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.names:
+            return self.names[0] if model is None else model
+        raise APIError(404, f"The model `{model}` does not exist. Served: "
+                       f"{', '.join(self.names)}", param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, f"the engine has stopped ({self.engine.dead_reason})",
+                           "server_error", code="engine_dead")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.llm_engine.model_config.vocab_size
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param,
+                           code="invalid_value")
+
+    def check_request(self, body: Any) -> tuple[str, SamplingParams]:
+        """The served model's name and the request's validated sampling parameters."""
+        model = self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+        except ValueError as exc:
+            raise bad_value(exc) from exc
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        return model, params
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.llm_engine.tokenize(text))
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        try:
+            return chat_prompt_ids(self.llm_engine.tokenizer, conversation, add_generation_prompt)
+        except Exception as exc:  # jinja errors: e.g. roles the template refuses
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages",
+                           code="invalid_value") from exc
+
+    def decode(self, ids: list[int]) -> str:
+        return self.llm_engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def decode_one(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    async def start(self, request_id: str, prompts: Sequence[str | list[int]], params: Any,
+                    arrival: float) -> Generation:
+        """Submits one engine request per prompt; refusals become OpenAI errors."""
+        self.check_alive()
+        gen = self.engine.generate(request_id, prompts, params, arrival)
+        try:
+            await gen.start()
+        except ValueError as exc:
+            raise bad_value(exc, "prompt") from exc
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), "server_error", code="queue_full") from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
+        return gen
+
+
+def get_state(request: Request) -> ServerState:
+    """The FastAPI dependency that hands a route its app's state."""
+    return request.app.state.stallfree
+
+
+# How a route asks for its app's state: a parameter `state: StateDep`.
+StateDep = Annotated[ServerState, Depends(get_state)]
