@@ -29,8 +29,8 @@ def add_setting_args(parser: argparse.ArgumentParser, fields: list[dataclasses.F
         kind = meta["parse"] or (type(default) if default is not None else str)
         help_text = meta["help"].replace("%", "%%")
         parser.add_argument(*flags, dest=f.name, default=default, type=_flag_type(kind),
-                            choices=meta["choices"], help=help_text, nargs=meta.get("nargs"),
-                            metavar=meta.get("metavar"))
+                            choices=meta["choices"], help=help_text, nargs=meta["nargs"],
+                            metavar=meta["metavar"])
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

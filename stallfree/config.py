@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Scheduling policies (stallfree/scheduler/): Sarathi-Serve, its baselines and an
 # ablation. The other ablation, hybrid batching only, is sarathi with
@@ -23,14 +24,16 @@ CUDA_KV_FRACTION = 0.85  # of the accelerator memory free after loading weights
 
 def option(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (),
            choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None,
-           aliases: tuple[str, ...] = (), default_factory: Any = MISSING) -> Any:
+           aliases: tuple[str, ...] = (), nargs: str | None = None, metavar: str | None = None,
+           default_factory: Any = MISSING) -> Any:
     """A config field with what the command line needs to offer it as a flag.
 
     `flags` default to `--field-name`; `parse` turns the flag's text into a value
-    (raising ValueError); `aliases` are other keyword names `from_kwargs` accepts.
+    (raising ValueError); `aliases` are other keyword names `from_kwargs` accepts;
+    `nargs` and `metavar` are argparse's.
     """
     metadata = {"help": help, "flags": flags, "choices": choices, "parse": parse,
-                "aliases": aliases}
+                "aliases": aliases, "nargs": nargs, "metavar": metavar}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 

@@ -18,8 +18,14 @@ from .model.llama import kv_cache_bytes_per_token
 from .model.loader import load_model, load_model_config
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
-from .outputs import (EngineStats, IterationRecord, RequestOutput, StepOutput, StepResult,
-                      TokenLogprobs)
+from .outputs import (
+    EngineStats,
+    IterationRecord,
+    RequestOutput,
+    StepOutput,
+    StepResult,
+    TokenLogprobs,
+)
 from .request import RequestStatus
 from .request_group import RequestGroup
 from .sampling_params import SamplingParams
@@ -171,7 +177,7 @@ class LLMEngine:
             output = next_micro_batch(self.scheduler, start, busy, len(self._in_flight))
             if output is None:
                 break
-            record = IterationRecord.scheduled(output, start)
+            record = output.iteration_record(start)
             self.executor.submit(output)
             self._in_flight.append(_Flight(output, record, cpu_start))
             busy.update(record.request_ids)
@@ -187,12 +193,12 @@ class LLMEngine:
                                      stage_times=tuple(result.stage_times))
         self.iterations.append(record)
         # A chunk that ends mid-prompt produced nothing to report.
-        outputs = [self._emit(chunk.request_id, result.sampled[chunk.request_id],
-                              result.logprobs.get(chunk.request_id))
-                   for chunk in output.chunks
-                   if chunk.request_id in result.sampled and chunk.request_id in self._child_to_group]
+        outputs = [self._emit(c.request_id, result.sampled[c.request_id],
+                              result.logprobs.get(c.request_id))
+                   for c in output.chunks
+                   if c.request_id in result.sampled and c.request_id in self._child_to_group]
         finished = []
-        for out in outputs:  # with n > 1, the last sequence to finish completes the request
+        for out in outputs:  # with n > 1, the last sequence to finish ends the request
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
                 finished.append(self._release(out.request_id))

@@ -2,12 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from .attention_plan import split_chunks
-
-if TYPE_CHECKING:
-    from .scheduler.output import SchedulerOutput
 
 
 @dataclass
@@ -110,16 +104,6 @@ class IterationRecord:
     # model in-process and one intra-op thread, the iteration's compute without the time
     # other processes took from the core.
     cpu_time: float = 0.0
-
-    @classmethod
-    def scheduled(cls, output: SchedulerOutput, start: float) -> IterationRecord:
-        """The record of a batch just scheduled (its end and times come when it completes)."""
-        chunks = output.chunks
-        prefills, decodes = split_chunks((c.start, c.num_tokens) for c in chunks)
-        return cls(start, 0.0, output.num_prefill_tokens, output.num_decode_tokens, len(chunks),
-                   len(output.preempted), tuple(c.request_id for c in chunks),
-                   prefill_chunks=prefills, decode_contexts=decodes,
-                   num_sampled=sum(c.samples for c in chunks))
 
 
 @dataclass

@@ -13,8 +13,7 @@ import httpx
 
 from stallfree.bench.systems import ServerProcess as LaunchedServer
 from stallfree.bench.systems import System, free_port
-from stallfree.outputs import (CompletionOutput, EngineStats, RequestOutput, StepOutput,
-                               StepResult)
+from stallfree.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepResult
 
 
 class ServerProcess(LaunchedServer):

@@ -75,7 +75,7 @@ def test_one_token_chunks_attend_as_decodes():
     decode = Request("d", list(range(1, 11)), params, 0.0)
     out = SchedulerOutput([ScheduledChunk(prompt, 499, 1, []), ScheduledChunk(decode, 9, 1, [])])
     assert out.chunks[0].is_prefill  # the scheduler's view: still the prompt
-    record = IterationRecord.scheduled(out, 0.0)
+    record = out.iteration_record(0.0)
     assert record.prefill_chunks == () and record.decode_contexts == (500, 10)
     assert record.num_prefill_tokens == 1 and record.num_decode_tokens == 1
     assert BatchShape.from_output(out).decode_contexts == (500, 10)

@@ -22,7 +22,7 @@ TESTS = Path(__file__).parent
 LAYERS = (
     ("foundation", "config sampling_params request outputs attention_plan detokenizer "
                    "iteration_log data"),
-    ("core", "scheduler model"),              # scheduler: pure Python (test_scheduler.py)
+    ("core", "scheduler model request_group"),  # scheduler: pure Python (test_scheduler.py)
     ("execution", "executor distributed"),
     ("engine", "engine"),
     ("offline API", "llm"),

@@ -7,8 +7,8 @@ import torch
 
 from ..attention_plan import attends_as_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace
-from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..model.config import ModelConfig
+from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..scheduler.output import SchedulerOutput
 from .base import RunnerOutput
 from .sampler import Sampler, token_logprobs

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..attention_plan import split_chunks
+from ..outputs import IterationRecord
 from ..request import Request
 
 
@@ -72,3 +74,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    def iteration_record(self, start: float) -> IterationRecord:
+        """The record of this batch, scheduled at `start` (its end and times come when it
+        completes)."""
+        prefills, decodes = split_chunks((c.start, c.num_tokens) for c in self.chunks)
+        return IterationRecord(start, 0.0, self.num_prefill_tokens, self.num_decode_tokens,
+                               len(self.chunks), len(self.preempted),
+                               tuple(c.request_id for c in self.chunks),
+                               prefill_chunks=prefills, decode_contexts=decodes,
+                               num_sampled=sum(c.samples for c in self.chunks))

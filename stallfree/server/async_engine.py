@@ -19,8 +19,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from ..iteration_log import IterationLog
 from ..outputs import RequestOutput, StepOutput
@@ -127,7 +128,7 @@ class AsyncEngine:
             pass
 
     def generate(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                 arrival_time: float | None = None) -> "Generation":
+                 arrival_time: float | None = None) -> Generation:
         return Generation(self, request_id, list(prompts), params, arrival_time)
 
     def shutdown(self, timeout: float = 10.0) -> None:

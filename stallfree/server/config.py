@@ -6,7 +6,7 @@ and the command line builds one flag per field from them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import option
@@ -54,15 +54,6 @@ def _api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV)
 
 
-def _flag_option(default: Any, help: str, *, nargs: str | None = None,
-                 metavar: str | None = None) -> Any:
-    """`option` plus the argparse settings it has no parameter for: `nargs` (a flag that
-    takes several values) and `metavar`, kept in the field's metadata under those names."""
-    made = option(default, help)
-    return field(default=made.default, metadata={**made.metadata, "nargs": nargs,
-                                                 "metavar": metavar})
-
-
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind (default 127.0.0.1)")
@@ -70,13 +61,13 @@ class ServerConfig:
     api_key: str | None = option(
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
         default_factory=_api_key_from_env)
-    served_model_name: list[str] | None = _flag_option(
+    served_model_name: list[str] | None = option(
         None, "model name(s) clients use; the first is reported "
               f"(default: the model path, or {DEFAULT_SERVED_MODEL_NAME})", nargs="+")
     max_waiting_requests: int | None = option(
         None, "answer 503 while this many sequences wait (default: unbounded)",
         parse=parse_positive_int)
-    iteration_log: str | None = _flag_option(
+    iteration_log: str | None = option(
         None, "write every engine iteration (batch shape, wall and CPU time) to PATH as "
               "JSON lines; `stallfree simulate replay` reads it", metavar="PATH")
     uvicorn_log_level: str = option("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
