@@ -119,7 +119,8 @@ class LLMEngine:
         return self.tokenizer(prompt)["input_ids"]
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
