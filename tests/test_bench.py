@@ -9,11 +9,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallfree.bench.capacity import Criterion, search_capacity
-from stallfree.bench.client import RequestResult, RunResult, _Stream
-from stallfree.bench.metrics import SLOs, compute_report, format_report
+from stallfree.bench.client import ResponseStream
+from stallfree.bench.config import SLOs
 from stallfree.bench.prom import parse_histogram
-from stallfree.bench.workload import (TRACES, WorkloadConfig, arrival_times, build_workload,
-                                      cap_lengths, load_trace, scale_lengths, trace_path)
+from stallfree.bench.records import RequestResult, RunResult
+from stallfree.bench.report import compute_report, format_report
+from stallfree.bench.workload import (
+    TRACES,
+    WorkloadConfig,
+    arrival_times,
+    build_workload,
+    cap_lengths,
+    load_trace,
+    scale_lengths,
+    trace_path,
+)
 
 
 # ---- metrics on hand-made token timelines ------------------------------------------------
@@ -88,7 +98,7 @@ def _chunk(text="x", finish=None, usage=None):
 
 def test_one_chunk_per_token_and_llamacpp_closing_chunk():
     r = RequestResult(0, 5, 3, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t, c in enumerate([_chunk(), _chunk(""), _chunk(), _chunk("", "length")]):
         s.chunk(c, float(t))
     s.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}, 4.0)
@@ -96,7 +106,7 @@ def test_one_chunk_per_token_and_llamacpp_closing_chunk():
     assert r.chunk_tokens == [1, 1, 1] and r.output_len == 3 and r.token_count_exact
     # The same empty closing chunk is a token when usage says one is missing.
     r = RequestResult(0, 5, 2, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     s.chunk(_chunk(), 1.0)
     s.chunk(_chunk("", "length"), 2.0)
     s.chunk({"choices": [], "usage": {"completion_tokens": 2}}, 2.1)
@@ -107,7 +117,7 @@ def test_one_chunk_per_token_and_llamacpp_closing_chunk():
 def test_final_usage_on_the_closing_chunk_is_not_continuous_usage():
     # llama-server (b1-0c1e570) puts the final usage on its closing chunk, beside choices.
     r = RequestResult(0, 4, 3, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t in range(3):
         s.chunk(_chunk(), float(t))
     s.chunk(_chunk("", "length", usage={"prompt_tokens": 4, "completion_tokens": 3}), 3.0)
@@ -118,7 +128,7 @@ def test_final_usage_on_the_closing_chunk_is_not_continuous_usage():
 
 def test_continuous_usage_counts_tokens_per_chunk():
     r = RequestResult(0, 5, 6, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t, cum in [(1.0, 1), (2.0, 4), (2.5, 4), (3.0, 6)]:
         s.chunk(_chunk(usage={"completion_tokens": cum}), t)
     s.finish()
@@ -128,7 +138,7 @@ def test_continuous_usage_counts_tokens_per_chunk():
 
 def test_coalesced_chunks_without_usage_per_chunk_are_flagged():
     r = RequestResult(0, 5, 4, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     s.chunk(_chunk("ab"), 1.0)
     s.chunk(_chunk("cd", "length"), 2.0)
     s.chunk({"choices": [], "usage": {"completion_tokens": 4}}, 2.0)
