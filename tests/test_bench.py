@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.bench.capacity import Criterion, search_capacity
+from stallfree.bench.capacity import Criterion, SearchConfig, search_capacity
+from stallfree.bench.capacity_report import (
+    add_system,
+    cached_trials,
+    headline,
+    new_document,
+    search_slos,
+)
 from stallfree.bench.client import ResponseStream
 from stallfree.bench.config import SLOs
 from stallfree.bench.prom import parse_histogram
@@ -287,6 +294,30 @@ def test_capacity_bounds():
     trial, _ = _fake(lambda r: 1e6)
     res = search_capacity(trial, Criterion(0.1), start_rate=1.0, min_rate=0.1)
     assert res.capacity_qps == 0.0 and "every rate" in res.note
+
+
+def test_slos_share_cached_trials_and_one_result_heads_the_document(capsys):
+    runs = []
+
+    def run(rate):
+        runs.append(rate)
+        return {"failed": 0, "completed": 5, "p99_tbt_ms": 50.0 + 20.0 * rate,
+                "median_sched_delay_ms": 0.0, "median_ttft_ms": 100.0, "ttfts": [0.1] * 5}
+
+    trial = cached_trials(run)
+    search = SearchConfig([0.150, 0.250], start_rate=1.0, precision=0.05)
+    results = search_slos("toy", trial, search.criteria(), search)
+    assert len(set(runs)) == len(runs)  # every rate ran once over both searches
+    assert "ttfts" not in trial(runs[0])  # trials keep the summary only
+    assert [r.capacity_qps for r in results] == pytest.approx([5.0, 10.0], rel=0.05)
+    assert "[toy] capacity" in capsys.readouterr().out
+    doc = new_document(WorkloadConfig(num_prompts=3), search.describe(), search.tbt_slos)
+    add_system(doc, {"label": "toy", "results": [results[0].to_dict()]})
+    assert headline(doc)["capacity_qps"] == results[0].capacity_qps
+    assert doc["workload"]["request_rate"] is None
+    assert doc["summary"][0]["sched_delay_source"] == ["response"]
+    add_system(doc, {"label": "other", "results": [results[1].to_dict()]})
+    assert "capacity_qps" not in headline(doc)
 
 
 def test_prometheus_histogram_diff():
