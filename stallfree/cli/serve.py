@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return srv
 
 
-def model_of(args: argparse.Namespace) -> str | None:
+def _model(args: argparse.Namespace) -> str | None:
     """The positional MODEL or --model (the same one if both are given)."""
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -38,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
         from ..server import run_server
 
         return run_server(args)
-    engine_config = engine_config_from_args(args, model=model_of(args))
+    engine_config = engine_config_from_args(args, model=_model(args))
     return serve(engine_config, ServerConfig(**settings_from_args(ServerConfig, args)))

@@ -20,7 +20,9 @@ from ..sim.profile_csv import write_csv
 # Decode attention here gathers each length group's KV padded to the group's longest
 # context (stallfree/attention_plan.py); a group's cost follows the tokens it gathers. So
 # the decode grid is a list of gathered-token counts, read by each batch size at context =
-# tokens / batch (contexts 16 to 2048).
+# tokens / batch (contexts 16 to 2048). Engine steps (for the time outside the ops) are
+# dense at small batches: a light load runs 1-8 decodes an iteration, where the step time
+# is far from linear in the batch size.
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
         "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],

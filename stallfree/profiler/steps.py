@@ -1,9 +1,12 @@
 """Whole engine steps on decode-only batches: the time outside the profiled ops."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any
+
+from ..sampling_params import SamplingParams
 
 PROMPT_LEN = 32  # prompts of the engine-step runs: short, so their prefills stay cheap
 
@@ -12,10 +15,6 @@ def profile_steps(engine: Any, grid: dict[str, Any]
                   ) -> tuple[dict[int, tuple[list[float], int]], float, float]:
     """CPU times of `LLMEngine.step()` on decode-only batches: batch -> (seconds of each
     step, mean context); and the wall and CPU seconds of all those steps."""
-    import random
-
-    from ..sampling_params import SamplingParams
-
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     out, wall, cpu = {}, 0.0, 0.0
