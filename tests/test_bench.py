@@ -8,12 +8,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.bench.capacity import Criterion, search_capacity
-from stallfree.bench.client import RequestResult, RunResult, _Stream
-from stallfree.bench.metrics import SLOs, compute_report, format_report
+from stallfree.bench.capacity import Criterion, SearchConfig, search_capacity
+from stallfree.bench.capacity_report import (
+    add_system,
+    cached_trials,
+    headline,
+    new_document,
+    search_slos,
+)
+from stallfree.bench.client import ResponseStream
+from stallfree.bench.config import SLOs
 from stallfree.bench.prom import parse_histogram
-from stallfree.bench.workload import (TRACES, WorkloadConfig, arrival_times, build_workload,
-                                      cap_lengths, load_trace, scale_lengths, trace_path)
+from stallfree.bench.records import RequestResult, RunResult
+from stallfree.bench.report import compute_report, format_report
+from stallfree.bench.workload import (
+    TRACES,
+    WorkloadConfig,
+    arrival_times,
+    build_workload,
+    cap_lengths,
+    load_trace,
+    scale_lengths,
+    trace_path,
+)
 
 
 # ---- metrics on hand-made token timelines ------------------------------------------------
@@ -88,7 +105,7 @@ def _chunk(text="x", finish=None, usage=None):
 
 def test_one_chunk_per_token_and_llamacpp_closing_chunk():
     r = RequestResult(0, 5, 3, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t, c in enumerate([_chunk(), _chunk(""), _chunk(), _chunk("", "length")]):
         s.chunk(c, float(t))
     s.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}, 4.0)
@@ -96,7 +113,7 @@ def test_one_chunk_per_token_and_llamacpp_closing_chunk():
     assert r.chunk_tokens == [1, 1, 1] and r.output_len == 3 and r.token_count_exact
     # The same empty closing chunk is a token when usage says one is missing.
     r = RequestResult(0, 5, 2, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     s.chunk(_chunk(), 1.0)
     s.chunk(_chunk("", "length"), 2.0)
     s.chunk({"choices": [], "usage": {"completion_tokens": 2}}, 2.1)
@@ -107,7 +124,7 @@ def test_one_chunk_per_token_and_llamacpp_closing_chunk():
 def test_final_usage_on_the_closing_chunk_is_not_continuous_usage():
     # llama-server (b1-0c1e570) puts the final usage on its closing chunk, beside choices.
     r = RequestResult(0, 4, 3, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t in range(3):
         s.chunk(_chunk(), float(t))
     s.chunk(_chunk("", "length", usage={"prompt_tokens": 4, "completion_tokens": 3}), 3.0)
@@ -118,7 +135,7 @@ def test_final_usage_on_the_closing_chunk_is_not_continuous_usage():
 
 def test_continuous_usage_counts_tokens_per_chunk():
     r = RequestResult(0, 5, 6, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     for t, cum in [(1.0, 1), (2.0, 4), (2.5, 4), (3.0, 6)]:
         s.chunk(_chunk(usage={"completion_tokens": cum}), t)
     s.finish()
@@ -128,7 +145,7 @@ def test_continuous_usage_counts_tokens_per_chunk():
 
 def test_coalesced_chunks_without_usage_per_chunk_are_flagged():
     r = RequestResult(0, 5, 4, 0.0, 0.0)
-    s = _Stream(r)
+    s = ResponseStream(r)
     s.chunk(_chunk("ab"), 1.0)
     s.chunk(_chunk("cd", "length"), 2.0)
     s.chunk({"choices": [], "usage": {"completion_tokens": 4}}, 2.0)
@@ -277,6 +294,30 @@ def test_capacity_bounds():
     trial, _ = _fake(lambda r: 1e6)
     res = search_capacity(trial, Criterion(0.1), start_rate=1.0, min_rate=0.1)
     assert res.capacity_qps == 0.0 and "every rate" in res.note
+
+
+def test_slos_share_cached_trials_and_one_result_heads_the_document(capsys):
+    runs = []
+
+    def run(rate):
+        runs.append(rate)
+        return {"failed": 0, "completed": 5, "p99_tbt_ms": 50.0 + 20.0 * rate,
+                "median_sched_delay_ms": 0.0, "median_ttft_ms": 100.0, "ttfts": [0.1] * 5}
+
+    trial = cached_trials(run)
+    search = SearchConfig([0.150, 0.250], start_rate=1.0, precision=0.05)
+    results = search_slos("toy", trial, search.criteria(), search)
+    assert len(set(runs)) == len(runs)  # every rate ran once over both searches
+    assert "ttfts" not in trial(runs[0])  # trials keep the summary only
+    assert [r.capacity_qps for r in results] == pytest.approx([5.0, 10.0], rel=0.05)
+    assert "[toy] capacity" in capsys.readouterr().out
+    doc = new_document(WorkloadConfig(num_prompts=3), search.describe(), search.tbt_slos)
+    add_system(doc, {"label": "toy", "results": [results[0].to_dict()]})
+    assert headline(doc)["capacity_qps"] == results[0].capacity_qps
+    assert doc["workload"]["request_rate"] is None
+    assert doc["summary"][0]["sched_delay_source"] == ["response"]
+    add_system(doc, {"label": "other", "results": [results[1].to_dict()]})
+    assert "capacity_qps" not in headline(doc)
 
 
 def test_prometheus_histogram_diff():

@@ -26,9 +26,10 @@ COMMON = ["--dataset", "sharegpt", "--length-scale", "0.01", "--max-model-len", 
 
 def test_serve_writes_a_complete_report(fake_server, tmp_path, capsys):
     out = tmp_path / "serve.json"
-    rc = cli_main(["bench", "serve", "--base-url", fake_server.url, "--model", "fake", "--num-prompts", "5",
-               "--request-rate", "50", "--tbt-slo", "0.5", "--goodput", "tbt:500",
-               "--label", "fake", "--result-file", str(out), *COMMON])
+    rc = cli_main(["bench", "serve", "--base-url", fake_server.url, "--model", "fake",
+                   "--num-prompts", "5", "--request-rate", "50", "--tbt-slo", "0.5",
+                   "--goodput", "tbt:500", "--label", "fake", "--result-file", str(out),
+                   *COMMON])
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     rep = json.loads(out.read_text())
@@ -65,7 +66,8 @@ def test_capacity_and_plots(fake_server, tmp_path):
     for res in fake["results"]:
         assert res["capacity_qps"] >= 20.0  # a fake engine at 2 ms per step never stalls
         assert res["trials"] and all(t["passed"] for t in res["trials"])
-        assert res["trials"][0]["sched_delay_source"] == "response"  # our server reports it per request
+        # Our server reports the scheduling delay per request.
+        assert res["trials"][0]["sched_delay_source"] == "response"
         assert "P99 TBT <=" in res["criterion"]["text"]
     trials = sorted((tmp_path / "trials").iterdir())
     assert trials

@@ -25,9 +25,9 @@ def server(tmp_path_factory):
 
 def test_serve_against_our_server(server, tmp_path):
     out = tmp_path / "serve.json"
-    rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--request-rate", "4",
-               "--tbt-slo", "1.0", "--goodput", "ttft:60000", "--label", "stallfree",
-               "--result-file", str(out), *SHORT])
+    rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4",
+                   "--request-rate", "4", "--tbt-slo", "1.0", "--goodput", "ttft:60000",
+                   "--label", "stallfree", "--result-file", str(out), *SHORT])
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["completed"] == 4 and rep["failed"] == 0 and rep["error_counts"] == {}
@@ -55,10 +55,10 @@ def test_serve_against_our_server(server, tmp_path):
 
 def test_capacity_starts_and_stops_our_server(tmp_path):
     out = tmp_path / "cap.json"
-    rc = cli_main(["bench", "capacity", "--policy", "sarathi", "--token-budget", "64", "--tbt-slo", "5",
-               "--num-prompts", "2", "--start-rate", "2", "--max-trials", "1",
-               "--warmup-prompts", "0", "--startup-timeout", "240", "--log-dir", str(tmp_path),
-               "--result-file", str(out), *SHORT])
+    rc = cli_main(["bench", "capacity", "--policy", "sarathi", "--token-budget", "64",
+                   "--tbt-slo", "5", "--num-prompts", "2", "--start-rate", "2", "--max-trials", "1",
+                   "--warmup-prompts", "0", "--startup-timeout", "240", "--log-dir", str(tmp_path),
+                   "--result-file", str(out), *SHORT])
     assert rc == 0
     cap = json.loads(out.read_text())
     entry = cap["systems"][0]

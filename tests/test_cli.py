@@ -33,3 +33,58 @@ def test_generate_under_the_vllm_policy():
                 "Water boils at")
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) == 4
+
+
+# ---- flags made from config fields (no subprocess, no model) -----------------------------
+def test_setting_flags_take_type_and_switches_from_the_field():
+    import argparse
+    from dataclasses import dataclass
+
+    from stallfree.cli.args import add_setting_args, settings_from_args
+    from stallfree.config import option, setting_fields
+
+    @dataclass
+    class Toy:
+        limit: int | None = option(None, "an optional integer")
+        ratio: float = option(0.5, "50% by default")
+        fast: bool = option(False, "a switch that turns it on")
+        checked: bool = option(True, "a switch that turns it off", flags=("--no-checked",))
+        name: str = option("a", "one of two", choices=("a", "b"))
+
+    parser = argparse.ArgumentParser()
+    add_setting_args(parser, setting_fields(Toy))
+    assert settings_from_args(Toy, parser.parse_args([])) == {
+        "limit": None, "ratio": 0.5, "fast": False, "checked": True, "name": "a"}
+    args = parser.parse_args(["--limit", "7", "--fast", "--no-checked", "--name", "b"])
+    assert Toy(**settings_from_args(Toy, args)) == Toy(7, 0.5, True, False, "b")
+
+
+def test_command_defaults_are_the_config_defaults():
+    from stallfree.bench.capacity import SearchConfig
+    from stallfree.bench.workload import WorkloadConfig
+    from stallfree.cli import build_parser
+    from stallfree.cli.args import engine_config_from_args, settings_from_args
+    from stallfree.config import EngineConfig
+    from stallfree.sim.run import Deployment
+
+    parser = build_parser()
+    gen = parser.parse_args(["generate", "hi"])
+    assert engine_config_from_args(gen) == EngineConfig()
+    sim = parser.parse_args(["simulate"])
+    assert Deployment(**settings_from_args(Deployment, sim)) == Deployment()
+    assert WorkloadConfig(**settings_from_args(WorkloadConfig, sim)) == WorkloadConfig()
+    cap = parser.parse_args(["bench", "capacity", "--tbt-slo", "0.1,0.5"])
+    assert SearchConfig([0.1, 0.5], **settings_from_args(SearchConfig, cap)) == \
+        SearchConfig([0.1, 0.5])
+    assert parser.parse_args(["generate", "--max-model-len", "100", "hi"]).max_model_len == 100
+
+
+def test_a_bad_list_flag_is_a_usage_error(capsys):
+    import pytest
+
+    from stallfree.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--token-budget", "512,lots"])
+    assert exc.value.code == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err

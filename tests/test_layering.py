@@ -38,7 +38,7 @@ SIDEWAYS = {
     "iteration_log": ("outputs",),
     "distributed": ("executor",),          # the distributed executor reuses the local one
     "sim": ("bench",),                     # shared workload and report code
-    "profiler": ("sim.profile_store",),    # writes the profiles the simulator reads
+    "profiler": ("sim",),                  # writes the profiles the simulator reads, with its cost model
     "__main__": ("cli",),
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from stallfree.cli import main as cli_main
-from stallfree.sim import profiles as P
+from stallfree.sim import profile_store as P
 from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
 from stallfree.sim.hardware import CPU, MODELS
 

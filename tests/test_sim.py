@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stallfree.bench.metrics import compute_report
+from stallfree.bench.report import compute_report
 from stallfree.bench.workload import RequestSpec, WorkloadConfig, build_workload
 from stallfree.config import POLICIES, SchedulerConfig
 from stallfree.scheduler import BlockManager, make_scheduler

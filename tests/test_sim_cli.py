@@ -7,19 +7,14 @@ import json
 import pytest
 
 from stallfree.bench.capacity import Criterion, search_capacity
-from stallfree.bench.client import RequestResult, RunResult
-from stallfree.bench.metrics import compute_report
-from stallfree.bench.runner import BenchConfig, report_header
+from stallfree.bench.config import BenchConfig, with_rate
+from stallfree.bench.records import RequestResult, RunResult
+from stallfree.bench.report import compute_report, report_header
 from stallfree.bench.workload import RequestSpec, WorkloadConfig
-from stallfree.config import SchedulerConfig
 from stallfree.cli import main
+from stallfree.config import SchedulerConfig
 from stallfree.sim.cost_model import ConstantCostModel
-from stallfree.sim.runner import (
-    Deployment,
-    run_simulated_benchmark,
-    sim_bench_config,
-    with_rate,
-)
+from stallfree.sim.run import Deployment, run_simulated_benchmark, sim_bench_config
 
 SMALL = ["--dataset", "random", "--random-input-len", "600", "--random-output-len", "40",
          "--random-range-ratio", "0.5", "--num-prompts", "30"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stallfree.sim import profiles as P
+from stallfree.sim import profile_store as P
 from stallfree.sim.calibrate import fit_overhead, points, predict, table
 from stallfree.sim.cost_model import BatchShape, ConstantCostModel, ProfiledCostModel
 from stallfree.sim.hardware import (
@@ -16,7 +16,7 @@ from stallfree.sim.hardware import (
     get_model,
     kv_cache_blocks,
 )
-from stallfree.sim.profile import _cols, _stats, _write
+from stallfree.sim.profile_csv import stat_columns, time_stats, write_csv
 
 A100 = get_gpu("a100")
 
@@ -144,21 +144,22 @@ def test_a_measured_profile_layout_is_read(tmp_path):
     shape = {"n_head": 9, "n_kv_head": 3, "n_embd": 576, "n_expanded_embd": 1536,
              "vocab_size": 49152, "use_gated_mlp": True, "num_tensor_parallel_workers": 1}
     ops = [*P.LAYER_OPS, "emb", "lm_head"]
-    _write(root / "compute" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "mlp.csv",
-           [{k: v for op in ops for k, v in _cols(op, _stats([n / 100])).items()}
-            | shape | {"num_tokens": n} for n in (1, 100)])
+    write_csv(root / "compute" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "mlp.csv",
+              [{k: v for op in ops for k, v in stat_columns(op, time_stats([n / 100])).items()}
+               | shape | {"num_tokens": n} for n in (1, 100)])
     att = []
     for b, c, k in ((1, 16, 0), (1, 16, 64), (1, 64, 0), (1, 64, 64), (1, 0, 32), (1, 0, 64),
                     (4, 0, 32), (4, 0, 64)):
         kind = "attn_prefill" if c else "attn_decode"
         other = "attn_decode" if c else "attn_prefill"
-        att.append(_cols(kind, _stats([0.5])) | {key: "" for key in _cols(other, _stats([0]))}
+        blank = {key: "" for key in stat_columns(other, time_stats([0]))}
+        att.append(stat_columns(kind, time_stats([0.5])) | blank
                    | {"n_embd": 576, "n_q_head": 9, "n_kv_head": 3,
                       "num_tensor_parallel_workers": 1,
                       "batch_size": b, "prefill_chunk_size": c, "kv_cache_size": k,
                       "is_prefill": bool(c)})
-    _write(root / "compute" / "attention_n576_q9_kv3_tp1.csv", att)
-    _write(root / "cpu_overheads.csv", [
+    write_csv(root / "compute" / "attention_n576_q9_kv3_tp1.csv", att)
+    write_csv(root / "cpu_overheads.csv", [
         {"prepare_inputs_e2e_median": ms, "model_name": model.profile_name, "batch_size": b,
          "tensor_parallel_degree": 1, "ray_comm_time_mean": 0.0} for b, ms in ((1, 2.0), (4, 5.0))])
     cost = ProfiledCostModel(model, CPU, root=tmp_path / "prof")

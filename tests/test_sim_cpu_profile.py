@@ -1,4 +1,5 @@
-"""The CPU cost model: decode attention padded to each length group's longest, on hand-made profiles."""
+"""The CPU cost model: decode attention padded to each length group's longest, on hand-made
+profiles."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,10 +9,10 @@ import pytest
 from stallfree.request import Request
 from stallfree.sampling_params import SamplingParams
 from stallfree.scheduler.output import ScheduledChunk, SchedulerOutput
-from stallfree.sim import profiles as P
+from stallfree.sim import profile_store as P
 from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
 from stallfree.sim.hardware import CPU, MODELS
-from stallfree.sim.profile import _cols, _stats, _write
+from stallfree.sim.profile_csv import read_csv, stat_columns, time_stats, write_csv
 
 SMOL = MODELS["smollm2-135m"]
 OP_MS = 0.01  # every token-level op, every token count
@@ -25,21 +26,22 @@ def write_cpu_profile(root: Path, backend: str) -> None:
     shape = {"n_head": 9, "n_kv_head": 3, "n_embd": 576, "n_expanded_embd": 1536,
              "vocab_size": 49152, "use_gated_mlp": True, "num_tensor_parallel_workers": 1}
     ops = [*P.LAYER_OPS, "emb", "lm_head"]
-    _write(dev / "compute" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "mlp.csv",
-           [{k: v for op in ops for k, v in _cols(op, _stats([OP_MS])).items()}
-            | shape | {"num_tokens": n} for n in (1, 1024)])
+    write_csv(dev / "compute" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "mlp.csv",
+              [{k: v for op in ops for k, v in stat_columns(op, time_stats([OP_MS])).items()}
+               | shape | {"num_tokens": n} for n in (1, 1024)])
     rows = []
     for (batch, chunk, cached), ms in [((1, 64, 0), 1.0), ((1, 64, 512), 2.0),
                                        *(((b, 0, c), ms) for (b, c), ms in DECODE_MS.items())]:
         timed, blank = ("attn_prefill", "attn_decode") if chunk else ("attn_decode",
                                                                        "attn_prefill")
-        rows.append(_cols(timed, _stats([ms])) | {k: "" for k in _cols(blank, _stats([0]))}
+        empty = {k: "" for k in stat_columns(blank, time_stats([0]))}
+        rows.append(stat_columns(timed, time_stats([ms])) | empty
                     | {"n_embd": 576, "n_q_head": 9, "n_kv_head": 3,
                        "num_tensor_parallel_workers": 1, "batch_size": batch,
                        "prefill_chunk_size": chunk, "kv_cache_size": cached,
                        "is_prefill": bool(chunk), "attention_backend": backend})
-    _write(dev / "compute" / "attention_n576_q9_kv3_tp1.csv", rows)
-    _write(dev / "cpu_overheads.csv", [
+    write_csv(dev / "compute" / "attention_n576_q9_kv3_tp1.csv", rows)
+    write_csv(dev / "cpu_overheads.csv", [
         {"prepare_inputs_e2e_median": 1.0, "model_name": SMOL.profile_name, "batch_size": b,
          "tensor_parallel_degree": 1, "ray_comm_time_mean": 0.0} for b in (1, 8)])
 
@@ -104,13 +106,14 @@ def test_a_profile_that_records_its_kv_dtype_caps_the_calls(tmp_path: Path):
     write_cpu_profile(tmp_path / "plain", "stallfree.paged_attention")
     write_cpu_profile(tmp_path / "typed", "stallfree.paged_attention")
     path = tmp_path / "typed" / "cpu" / "compute" / "attention_n576_q9_kv3_tp1.csv"
-    _write(path, [r | {"kv_dtype_bytes": 4} for r in P._read(path)])
+    write_csv(path, [r | {"kv_dtype_bytes": 4} for r in read_csv(path)])
     capped = ProfiledCostModel(SMOL, CPU, root=tmp_path / "typed")
     uncapped = ProfiledCostModel(SMOL, CPU, root=tmp_path / "plain")
     assert padded_groups([1000] * 48, 16, 2 * 3 * 64 * 4) == [(2, 1000)] * 24
     batch = BatchShape.decode(48, 1000)
-    assert _attention_ms(capped, batch) == pytest.approx(24e3 * capped._attn.decode_time(2, 1000))
-    assert _attention_ms(uncapped, batch) == pytest.approx(1e3 * uncapped._attn.decode_time(48, 1000))
+    capped_call, uncapped_call = (m._attn.decode_time for m in (capped, uncapped))
+    assert _attention_ms(capped, batch) == pytest.approx(24e3 * capped_call(2, 1000))
+    assert _attention_ms(uncapped, batch) == pytest.approx(1e3 * uncapped_call(48, 1000))
 
 
 def test_between_batch_sizes_padded_rows_are_read_at_equal_gathered_tokens(padded, varlen):
@@ -144,7 +147,7 @@ def test_host_slowdown_scales_every_iteration(tmp_path: Path):
 
 
 def test_a_deployment_passes_its_slowdown_to_the_cost_model(tmp_path: Path):
-    from stallfree.sim.runner import Deployment
+    from stallfree.sim.run import Deployment
 
     write_cpu_profile(tmp_path, "stallfree.paged_attention")
     dep = Deployment("smollm2-135m", "cpu", profile_dir=str(tmp_path), cpu_slowdown=1.5)

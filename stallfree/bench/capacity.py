@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config import option
+
 SCHED_SOURCES = ("auto", "response", "prometheus", "ttft")
 Metrics = dict[str, Any]
 
@@ -117,6 +119,38 @@ class Criterion:
                 "text": f"P{self.tbt_percentile:g} TBT <= {self.tbt_slo_s * 1e3:g} ms and "
                         f"median scheduling delay <= {self.max_sched_delay_s:g} s"
                         + (" and no failed request" if self.require_all_succeed else "")}
+
+
+@dataclass
+class SearchConfig:
+    """One capacity search per TBT SLO, all with these settings (bench's and the simulator's)."""
+
+    tbt_slos: list[float] = field(default_factory=list)  # seconds; the searches share trials
+    tbt_percentile: float = option(Criterion.tbt_percentile, "the TBT percentile held to the SLO")
+    max_sched_delay: float = option(Criterion.max_sched_delay_s,
+                                    "median scheduling delay limit, in seconds",
+                                    metavar="SECONDS")
+    start_rate: float = option(1.0, "first rate tried, in requests per second")
+    precision: float = option(0.025, "stop when the failing rate <= passing rate * (1 + this)")
+    min_rate: float = option(0.01, "lowest rate tried")
+    max_rate: float = option(math.inf, "highest rate tried")
+    max_trials: int = option(20, "rates tried per SLO at most")
+
+    def criteria(self, source: str = "auto", require_all_succeed: bool = True,
+                 baseline: Callable[[], float] | None = None) -> list[Criterion]:
+        """The criterion of each SLO."""
+        return [Criterion(slo, self.tbt_percentile, self.max_sched_delay, source,
+                          require_all_succeed, baseline=baseline) for slo in self.tbt_slos]
+
+    def search(self, trial: Callable[[float], Metrics], criterion: Criterion,
+               on_trial: Callable[[Trial], None] | None = None) -> SearchResult:
+        return search_capacity(trial, criterion, self.start_rate, self.precision, self.min_rate,
+                               self.max_rate, self.max_trials, on_trial)
+
+    def describe(self) -> dict[str, Any]:
+        return {"start_rate": self.start_rate, "precision": self.precision,
+                "min_rate": self.min_rate, "max_rate": self.max_rate,
+                "max_trials": self.max_trials}
 
 
 def _fraction_le(queue: dict[str, Any], limit: float) -> float:

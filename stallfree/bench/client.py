@@ -31,91 +31,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import httpx
 
+from .config import ClientConfig
+from .records import RequestResult, RunResult
 from .workload import RequestSpec
 
 
-@dataclass
-class ClientConfig:
-    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
-    model: str | None = None
-    endpoint: str = "/v1/completions"
-    api_key: str | None = None
-    ignore_eos: bool = True  # so every request generates its trace output length
-    ban_token_ids: list[int] = field(default_factory=list)  # logit_bias -100 (llama.cpp)
-    continuous_usage: bool = True
-    temperature: float = 0.0
-    request_timeout: float = 3600.0  # seconds for one request, first byte to last
-    max_duration: float | None = None  # seconds for the whole run
-    max_concurrency: int | None = None  # requests in flight at once (None: unbounded)
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    progress: bool = True
-
-    @property
-    def url(self) -> str:
-        base = self.base_url.rstrip("/")
-        if base.endswith("/v1") and self.endpoint.startswith("/v1/"):
-            base = base[:-3]
-        return base + self.endpoint
-
-
-@dataclass
-class RequestResult:
-    index: int
-    prompt_len: int
-    expected_output_len: int
-    scheduled_time: float  # intended arrival (s after start)
-    send_time: float | None = None  # actually sent (s after start); None if never sent
-    chunk_times: list[float] = field(default_factory=list)  # chunks that carried tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of them
-    output_len: int = 0
-    success: bool = False
-    error: str | None = None
-    token_count_exact: bool = True
-    scheduling_delay: float | None = None  # seconds, when the server reports it
-    usage_prompt_tokens: int | None = None
-
-    @property
-    def token_times(self) -> list[float]:
-        """Arrival time of every output token (tokens of one chunk share its time)."""
-        return [t for t, n in zip(self.chunk_times, self.chunk_tokens) for _ in range(n)]
-
-    @property
-    def ttft(self) -> float | None:
-        if self.send_time is None or not self.chunk_times:
-            return None
-        return self.chunk_times[0] - self.send_time
-
-    @property
-    def latency(self) -> float | None:
-        if self.send_time is None or not self.chunk_times:
-            return None
-        return self.chunk_times[-1] - self.send_time
-
-    @property
-    def itl(self) -> list[float]:
-        """vLLM's ITL: gaps between consecutive chunks."""
-        return [b - a for a, b in pairwise(self.chunk_times)]
-
-    @property
-    def tbt(self) -> list[float]:
-        """Every gap between consecutive output tokens (the first token excluded)."""
-        return [b - a for a, b in pairwise(self.token_times)]
-
-
-@dataclass
-class RunResult:
-    results: list[RequestResult]
-    duration: float  # first send to last response (s)
-    start_unix: float  # wall clock at the start, for the report
-
-
-class _Stream:
+class ResponseStream:
     """Accumulates one response's chunks (see the module docstring for the rules)."""
 
     def __init__(self, result: RequestResult) -> None:
@@ -128,7 +53,7 @@ class _Stream:
         r = self.r
         if isinstance(data.get("error"), (dict, str)):
             err = data["error"]
-            raise _StreamError(err.get("message", str(err)) if isinstance(err, dict) else err)
+            raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else err)
         ext = data.get("metrics")
         if isinstance(ext, dict) and ext.get("scheduling_delay") is not None:
             r.scheduling_delay = float(ext["scheduling_delay"])
@@ -181,7 +106,7 @@ class _Stream:
             r.output_len = counted
 
 
-class _StreamError(Exception):
+class StreamError(Exception):
     pass
 
 
@@ -205,7 +130,7 @@ def _body(spec: RequestSpec, cfg: ClientConfig) -> dict[str, Any]:
 async def _one(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, t0: float,
                result: RequestResult, slots: asyncio.Semaphore | None) -> None:
     body = _body(spec, cfg)
-    stream = _Stream(result)
+    stream = ResponseStream(result)
     try:
         if slots is not None:
             await slots.acquire()
@@ -215,7 +140,7 @@ async def _one(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, 
                                      timeout=cfg.request_timeout) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
-                    raise _StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+                    raise StreamError(f"HTTP {resp.status_code}: {text[:300]}")
                 async for line in resp.aiter_lines():
                     now = time.perf_counter() - t0
                     line = line.strip()
@@ -235,9 +160,9 @@ async def _one(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, 
     except asyncio.CancelledError:
         stream.finish()
         result.error = "cancelled at the time limit"
-    except (_StreamError, httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+    except (StreamError, httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         stream.finish()
-        result.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StreamError) \
+        result.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamError) \
             else str(exc)
 
 

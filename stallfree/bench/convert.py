@@ -13,15 +13,14 @@ template, special_tokens_map.json). transformers and our loader both read it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 from typing import Any
 
+from ..config import DTYPES
+
 _FUSED = re.compile(r"(.*)\.(qkv_proj|gate_up_proj)\.(weight|bias)$")
-_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
@@ -86,8 +85,8 @@ def convert_to_hf(out_dir: str, model_path: str | None = None, dtype: str = "flo
     from ..model.loader import load_model
     from ..model.tokenizer import load_tokenizer
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ValueError(f"{out_dir} exists and is not empty (use --force to overwrite)")
     os.makedirs(out_dir, exist_ok=True)
@@ -126,24 +125,3 @@ def _portable_tokenizer_config(out_dir: str, chat_template: str | None, max_len:
         tok["chat_template"] = chat_template
     with open(path, "w") as f:
         json.dump(tok, f, indent=2)
-
-
-def add_convert_args(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("convert", help="write a model as a Hugging Face directory")
-    p.add_argument("--to-hf", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--model", default=None,
-                   help="GGUF file or HF directory (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="float32", choices=_DTYPES,
-                   help="stored dtype (float32 keeps the dequantised values exactly)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    return p
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    try:
-        path = convert_to_hf(args.to_hf, args.model, args.dtype, args.force)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"stallfree convert: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}")
-    return 0

@@ -154,7 +154,7 @@ def plot_timeline(rep: Report, path: str, max_requests: int = 40,
                                                      rep.get("token_times", [])))
             if s is not None and t][:max_requests]
     fig, ax = plt.subplots(figsize=(11, max(3, 0.18 * len(rows) + 1.5)))
-    for y, (i, send, times) in enumerate(rows):
+    for y, (_, send, times) in enumerate(rows):
         ax.plot([send, times[0]], [y, y], color="0.75", lw=1)  # waiting for the first token
         ax.plot(times, [y] * len(times), "|", color="C0", ms=4)
         t = np.asarray(times)

@@ -55,6 +55,28 @@ def stallfree_systems(policies: list[str], budgets: list[int], extra_args: list[
     return systems
 
 
+def build_systems(base_urls: list[str], server_cmds: list[str], labels: list[str],
+                  policies: list[str], budgets: list[int], server_args: str = "",
+                  max_model_len: int | None = None, model: str | None = None) -> list[System]:
+    """Running servers, then server commands (labelled in that order), then our own server
+    for every (policy, token budget) pair."""
+    labels = list(labels)
+    systems = []
+    for url in base_urls:
+        systems.append(System(labels.pop(0) if labels else url, base_url=url))
+    for cmd in server_cmds:
+        systems.append(command_system(cmd, labels.pop(0) if labels else None))
+    if policies:
+        systems += stallfree_systems(policies, budgets, shlex.split(server_args), max_model_len,
+                                     model)
+    if not systems:
+        raise ValueError("give at least one system: --policy, --server-cmd or --base-url")
+    names = [s.label for s in systems]
+    if len(set(names)) != len(names):
+        raise ValueError(f"system labels must differ: {names} (use --system-label)")
+    return systems
+
+
 def command_system(command: str, label: str | None = None) -> System:
     """A peer server from a shell-like command line holding `{port}`."""
     argv = shlex.split(command)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import option
+
 TRACE_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
 
 # `--dataset` name -> file in TRACE_DIR (provenance in TRACE_DIR / "SOURCES.md").
@@ -57,19 +59,26 @@ class RequestSpec:
 
 @dataclass
 class WorkloadConfig:
-    dataset: str = "sharegpt"
-    dataset_path: str | None = None  # a CSV with num_prefill_tokens,num_decode_tokens
-    num_prompts: int = 100
-    request_rate: float = math.inf  # requests per second; inf = all at once
-    burstiness: float = 1.0  # gamma shape; 1 = Poisson, < 1 burstier, > 1 more regular
-    seed: int = 0
-    length_scale: float = 1.0  # multiplies prompt and output lengths before capping
-    max_model_len: int | None = None  # prompt + output cap (cut in proportion)
-    random_input_len: int = 1024
-    random_output_len: int = 128
-    random_range_ratio: float = 0.0  # random lengths uniform in len * [1 - r, 1 + r]
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    min_token_id: int = DEFAULT_MIN_TOKEN_ID
+    dataset: str = option("sharegpt", "length trace (shipped with stallfree) or random",
+                          flags=("--dataset", "--dataset-name"), choices=DATASETS)
+    dataset_path: str | None = option(
+        None, "a trace CSV with num_prefill_tokens,num_decode_tokens instead")
+    num_prompts: int = option(100, "requests in the run")
+    request_rate: float = option(math.inf, "requests per second (default inf: all at once)")
+    burstiness: float = option(
+        1.0, "gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    seed: int = option(0, "seed of the lengths, the arrivals and the prompt ids")
+    length_scale: float = option(
+        1.0, "multiply prompt and output lengths (e.g. 0.125 to fit a CPU)")
+    max_model_len: int | None = option(
+        None, "cap prompt + output, cutting both in proportion (the paper's rule)")
+    random_input_len: int = option(1024, "prompt length of the random dataset")
+    random_output_len: int = option(128, "output length of the random dataset")
+    random_range_ratio: float = option(
+        0.0, "random lengths are uniform in len * [1 - r, 1 + r]")
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE,
+                             "prompt token ids are drawn below this (default: SmolLM2's)")
+    min_token_id: int = option(DEFAULT_MIN_TOKEN_ID, "prompt token ids are drawn from this up")
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS and self.dataset_path is None:

@@ -129,11 +129,13 @@ def table() -> str:
     return "\n".join(lines)
 
 
+DEFAULT_TOLERANCE = 0.15  # relative error a validation accepts
 VALIDATION_KEYS = (("median_tbt_ms", "median TBT"), ("p99_tbt_ms", "P99 TBT"),
                    ("median_ttft_ms", "median TTFT"))
 
 
-def compare(measured: dict, simulated: dict, tolerance: float = 0.15) -> tuple[str, bool]:
+def compare(measured: dict, simulated: dict,
+            tolerance: float = DEFAULT_TOLERANCE) -> tuple[str, bool]:
     """A measured `bench serve` report against its simulation: the issue's three metrics."""
     lines = ["| metric | measured (ms) | simulated (ms) | error |", "|---|---:|---:|---:|"]
     ok = True

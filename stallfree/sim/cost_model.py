@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ..attention_plan import padded_groups, split_chunks
 from ..scheduler.output import SchedulerOutput
-from . import profiles as P
+from . import profile_store as P
 from .hardware import GPUS, GpuSpec, ModelSpec
 from .roofline import (
     DTYPE_BYTES,

@@ -8,11 +8,14 @@ log's wall over CPU time is that factor for the run.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
+from ..iteration_log import read_iteration_log
 from ..outputs import IterationRecord
 from .cost_model import BatchShape, CostModel
+from .run import Deployment
 
 # Decode-only batches by request count: small batches are launch-bound, large ones
 # attention-bound, so the model's error differs between them.
@@ -66,3 +69,20 @@ def format_replay(result: dict[str, Any]) -> str:
                      f"{r['predicted_s']:>13.2f}{pct(r['error']):>9}"
                      f"{pct(r['median_iteration_error']):>12}")
     return "\n".join(lines)
+
+
+def replay_log(path: str, deployment: Deployment) -> tuple[dict[str, Any], str | None]:
+    """A served run's iteration log through the deployment's cost model, and a warning when
+    the log's CPU times do not compare (more than one compute thread, or a pipeline)."""
+    settings, records = read_iteration_log(path)
+    warning = None
+    if settings.get("threads", 1) > 1 or settings.get("pipeline_depth", 1) > 1:
+        warning = (f"the server ran with {settings.get('threads')} compute threads and "
+                   f"pipeline depth {settings.get('pipeline_depth')}; its cpu_time counts the "
+                   "engine thread's own work only, so the comparison holds for one thread "
+                   "in-process")
+    # The log's times are CPU seconds: predict them without the host's slowdown.
+    deployment = dataclasses.replace(deployment, cpu_slowdown=1.0,
+                                     block_size=settings.get("block_size",
+                                                             deployment.block_size))
+    return replay(records, deployment.cost_model()), warning

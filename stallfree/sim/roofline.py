@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from .hardware import GpuSpec, ModelSpec
-from .profiles import AttentionProfile, MlpProfile
+from .profile_store import AttentionProfile, MlpProfile
 
 DTYPE_BYTES = 2
 

@@ -22,7 +22,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ..bench.client import RequestResult, RunResult
+from ..bench.records import RequestResult, RunResult
 from ..bench.workload import RequestSpec
 from ..config import SchedulerConfig
 from ..request import Request
@@ -214,7 +214,7 @@ class Simulator:
 
 def _run_result(specs: list[RequestSpec], requests: dict[int, Request | None],
                 errors: dict[int, str], deadline: float | None) -> RunResult:
-    """The records the benchmark client would have made, for `bench.metrics.compute_report`."""
+    """The records the benchmark client would have made, for `bench.report.compute_report`."""
     results = []
     for spec in sorted(specs, key=lambda s: s.index):
         r = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.arrival)

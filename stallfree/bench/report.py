@@ -18,65 +18,24 @@ Keys that mean what vLLM's mean carry vLLM's names (`completed`, `failed`,
   keys ttft, tpot, e2el in ms, plus `tbt`: every TBT gap of the request).
 
 Statistics are over successful requests; percentiles are numpy's linear
-interpolation (as vLLM's). Statistics of an empty set are null in JSON.
+interpolation (as vLLM's). Statistics of an empty set are null in JSON. The run's
+configuration comes first in every report (`report_header`); `save_json` writes
+strict JSON; `format_report` prints a report.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
-from .client import RequestResult, RunResult
-
-PERCENTILES = (50, 90, 99)
-SLO_KEYS = ("ttft", "tpot", "e2el", "tbt")
-
-
-@dataclass(frozen=True)
-class SLOs:
-    """Per-request service-level objectives in milliseconds (None: not checked)."""
-
-    ttft: float | None = None
-    tpot: float | None = None
-    e2el: float | None = None
-    tbt: float | None = None  # every gap between tokens of the request
-
-    @classmethod
-    def parse(cls, items: Iterable[str]) -> SLOs:
-        """From vLLM's `--goodput ttft:500 tpot:100` form (values in ms)."""
-        values: dict[str, float] = {}
-        for item in items:
-            key, sep, value = item.partition(":")
-            if not sep or key not in SLO_KEYS:
-                raise ValueError(f"goodput SLO must be KEY:MS with KEY in {', '.join(SLO_KEYS)}"
-                                 f", got {item!r}")
-            ms = float(value)
-            if not ms > 0:
-                raise ValueError(f"goodput SLO {key} must be > 0 ms, got {value}")
-            values[key] = ms
-        return cls(**values)
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: v for k in SLO_KEYS if (v := getattr(self, k)) is not None}
-
-    def met_by(self, r: RequestResult) -> bool:
-        ms = {"ttft": _ms(r.ttft), "tpot": _ms(tpot(r)) or 0.0, "e2el": _ms(r.latency),
-              "tbt": _ms(max(r.tbt, default=0.0))}
-        return all(ms[k] is not None and ms[k] <= limit for k, limit in self.as_dict().items())
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def tpot(r: RequestResult) -> float | None:
-    if r.output_len < 2 or r.latency is None or r.ttft is None:
-        return None
-    return (r.latency - r.ttft) / (r.output_len - 1)
+from .config import PERCENTILES, BenchConfig, SLOs
+from .records import RequestResult, RunResult
+from .workload import RequestSpec, describe
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -92,11 +51,12 @@ def _stats(prefix: str, seconds: Sequence[float], pcts: Sequence[float]) -> dict
         f"std_{prefix}_ms": float(np.std(ms)) if ms else None,
     }
     for p in pcts:
-        out[f"p{_pword(p)}_{prefix}_ms"] = percentile(ms, p)
+        out[f"p{percentile_name(p)}_{prefix}_ms"] = percentile(ms, p)
     return out
 
 
-def _pword(p: float) -> str:
+def percentile_name(p: float) -> str:
+    """99 -> '99', 99.9 -> '99.9': the p in vLLM's `p99_ttft_ms` keys."""
     return str(int(p)) if int(p) == p else str(p)
 
 
@@ -161,7 +121,7 @@ def compute_report(run: RunResult, slos: SLOs | None = None,
         "max_concurrent_requests": peak_concurrency(run.results),
     }
     rep |= _stats("ttft", [r.ttft for r in ok if r.ttft is not None], percentiles)
-    rep |= _stats("tpot", [t for r in ok if (t := tpot(r)) is not None], percentiles)
+    rep |= _stats("tpot", [t for r in ok if (t := r.tpot) is not None], percentiles)
     rep |= _stats("itl", [g for r in ok for g in r.itl], percentiles)
     rep |= _stats("e2el", [r.latency for r in ok if r.latency is not None], percentiles)
     rep |= _stats("tbt", tbts, percentiles)
@@ -208,6 +168,43 @@ def per_request_detail(results: Sequence[RequestResult]) -> dict[str, Any]:
     }
 
 
+# ---- the run's configuration and the file ---------------------------------------------
+def _rate_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate  # as vLLM writes it; JSON has no Infinity
+
+
+def report_header(cfg: BenchConfig, specs: list[RequestSpec], start_unix: float,
+                  backend: str = "openai") -> dict[str, Any]:
+    """The run's configuration, first in every report (the simulator writes the same)."""
+    w, c = cfg.workload, cfg.client
+    return {
+        "date": datetime.fromtimestamp(start_unix, timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "backend": backend, "label": cfg.label, "model_id": c.model, "base_url": c.base_url,
+        "endpoint": c.endpoint, "dataset_name": w.dataset if not w.dataset_path else w.dataset_path,
+        "num_prompts": w.num_prompts, "request_rate": _rate_json(w.request_rate),
+        "burstiness": w.burstiness, "max_concurrency": c.max_concurrency, "seed": w.seed,
+        "length_scale": w.length_scale, "max_model_len": w.max_model_len,
+        "ignore_eos": c.ignore_eos, "max_duration": c.max_duration, "workload": describe(specs),
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf -> None, so the file is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def save_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(_clean(obj), f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
 # ---- printing ------------------------------------------------------------------------
 _SECTIONS = (("ttft", "TTFT", "Time to First Token"),
              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -250,7 +247,8 @@ def format_report(rep: dict[str, Any], percentiles: Sequence[float] = PERCENTILE
         lines.append(_line(f"Median {name} (ms):", rep.get(f"median_{key}_ms")))
         for p in percentiles:
             if p != 50:
-                lines.append(_line(f"P{_pword(p)} {name} (ms):", rep.get(f"p{_pword(p)}_{key}_ms")))
+                pct = percentile_name(p)
+                lines.append(_line(f"P{pct} {name} (ms):", rep.get(f"p{pct}_{key}_ms")))
         if key == "tbt":
             lines.append(_line("Max TBT (longest stall) (ms):", rep.get("max_tbt_ms")))
             if rep.get("num_tbt_gaps_over_slo") is not None:

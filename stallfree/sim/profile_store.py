@@ -17,7 +17,6 @@ below it: small inputs are launch-bound, large ones throughput-bound.
 from __future__ import annotations
 
 import bisect
-import csv
 import functools
 import glob
 import json
@@ -25,6 +24,8 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from .profile_csv import read_csv
 
 PROFILE_ROOT = Path(__file__).resolve().parent.parent / "data" / "profiles"
 MS = 1e-3
@@ -40,11 +41,6 @@ LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
 def _median(row: dict[str, str], op: str) -> float | None:
     value = row.get(f"time_stats.{op}.median")
     return float(value) * MS if value not in (None, "") else None
-
-
-def _read(path: str | os.PathLike) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -75,7 +71,7 @@ class MlpProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> MlpProfile:
-        rows = _read(path)
+        rows = read_csv(path)
         shape = {k: int(float(rows[0][k])) for k in ("n_head", "n_kv_head", "n_embd",
                                                     "n_expanded_embd", "vocab_size")}
         shape["gated"] = int(rows[0]["use_gated_mlp"] in ("True", "1", "true"))
@@ -116,7 +112,7 @@ class AttentionProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AttentionProfile:
-        rows = _read(path)
+        rows = read_csv(path)
         r0 = rows[0]
         tp = int(r0["num_tensor_parallel_workers"])
         q, kv = int(r0["n_q_head"]) // tp, max(1, int(r0["n_kv_head"]) // tp)
@@ -207,7 +203,7 @@ class NetworkProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> NetworkProfile:
-        rows = _read(path)
+        rows = read_csv(path)
         acc: dict[tuple[int, int], dict[float, list[float]]] = defaultdict(
             lambda: defaultdict(list))
         for r in rows:
@@ -235,7 +231,7 @@ class CpuOverheadProfile:
         acc: dict[tuple[str, int], dict[float, list[float]]] = defaultdict(
             lambda: defaultdict(list))
         comm: dict[tuple[str, int], list[float]] = defaultdict(list)
-        for r in _read(path):
+        for r in read_csv(path):
             key = (r["model_name"], int(r["tensor_parallel_degree"]))
             acc[key][float(r["batch_size"])].append(
                 sum(float(r.get(f"{p}_median") or 0.0) for p in cls.PARTS) * MS)

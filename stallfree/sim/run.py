@@ -8,45 +8,53 @@ the simulator, so a simulated report has exactly the keys of a measured one
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.client import ClientConfig
-from ..bench.metrics import SLOs, compute_report
-from ..bench.runner import BenchConfig, report_header
+from ..bench.config import PERCENTILES, BenchConfig, ClientConfig, SLOs
+from ..bench.report import compute_report, report_header
 from ..bench.workload import WorkloadConfig, build_workload
-from ..config import DEFAULT_CPU_KV_BYTES, SchedulerConfig
+from ..config import DEFAULT_CPU_KV_BYTES, CacheConfig, SchedulerConfig, option, parse_size
 from .cost_model import CostModel, ProfiledCostModel
-from .hardware import get_gpu, get_model, kv_cache_blocks
-from .profiles import PROFILE_ROOT
+from .hardware import GPUS, MODELS, get_gpu, get_model, kv_cache_blocks
+from .profile_store import PROFILE_ROOT
 from .simulator import SimConfig, simulate
 
+CALIBRATIONS = ("none", "yi34b")
 
 
 @dataclass
 class Deployment:
     """A simulated replica: model on hardware, its parallelism and its cost model settings."""
 
-    model: str = "mistral-7b"
-    gpu: str = "a100"
-    tp: int = 1
-    pp: int = 1
-    node: str | None = None
-    profile_dir: str | None = None
-    roofline: bool = False  # ignore the compute profiles (what-if / cross-check)
-    calibration: str = "none"  # "yi34b": add the CPU overhead fitted to the paper's Yi-34B
-    block_size: int = 16
-    watermark: float = 0.01
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    cpu_slowdown: float | None = None  # wall per CPU second (default: the profile's host.json)
+    model: str = option("mistral-7b", f"{', '.join(MODELS)}, or a Hugging Face config.json")
+    gpu: str = option("a100", "simulated accelerator", choices=(*GPUS, "cpu"))
+    tp: int = option(1, "tensor-parallel degree")
+    pp: int = option(1, "pipeline stages")
+    node: str | None = option(None, "network profile (default: the GPU's pairwise one)")
+    profile_dir: str | None = option(
+        None, "profile root (default: shipped profiles; `stallfree profile` writes one)")
+    # What-if / cross-check.
+    roofline: bool = option(False, "ignore compute profiles")
+    calibration: str = option("none", "add the CPU overhead fitted to the paper's Yi-34B "
+                              "iterations", choices=CALIBRATIONS)
+    block_size: int = option(CacheConfig.block_size, "tokens per KV block")
+    watermark: float = option(CacheConfig.watermark,
+                              "fraction of KV blocks kept free when admitting")
+    gpu_memory_utilization: float = option(0.9, "share of GPU memory the engine may use")
+    kv_cache_memory: int | None = option(
+        None, "KV cache bytes per rank, e.g. 1GiB (default: from GPU memory)", parse=parse_size)
+    cpu_slowdown: float | None = option(
+        None, "--gpu cpu: wall seconds per CPU second of the engine (default: the profile's "
+              "host.json; 1 = a core of its own)")
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
             raise ValueError("--tp and --pp must be >= 1")
-        if self.calibration not in ("none", "yi34b"):
+        if self.calibration not in CALIBRATIONS:
             raise ValueError(f"calibration must be none or yi34b, got {self.calibration!r}")
 
     @property
@@ -79,7 +87,7 @@ class Deployment:
 
 def sim_bench_config(workload: WorkloadConfig, deployment: Deployment, label: str | None = None,
                      slos: SLOs | None = None, tbt_slo_ms: float | None = None,
-                     percentiles: tuple[float, ...] = (50, 90, 99), detail: bool = True,
+                     percentiles: tuple[float, ...] = PERCENTILES, detail: bool = True,
                      max_duration: float | None = None) -> BenchConfig:
     """The BenchConfig a `bench serve` run against the simulated server would have."""
     client = ClientConfig(base_url=deployment.url, model=deployment.model,
@@ -90,7 +98,7 @@ def sim_bench_config(workload: WorkloadConfig, deployment: Deployment, label: st
 
 def run_simulated_benchmark(cfg: BenchConfig, sched: SchedulerConfig, deployment: Deployment,
                             cost: CostModel | None = None, token_salt: int = 0) -> dict[str, Any]:
-    """`runner.run_benchmark`, with the simulator in place of the client and server."""
+    """`bench.run.run_benchmark`, with the simulator in place of the client and server."""
     cost = cost or deployment.cost_model()
     specs = build_workload(cfg.workload, token_salt)
     sim_cfg = SimConfig(sched, deployment.num_blocks(sched), deployment.block_size,
@@ -107,10 +115,30 @@ def run_simulated_benchmark(cfg: BenchConfig, sched: SchedulerConfig, deployment
     return report
 
 
-def with_rate(cfg: BenchConfig, rate: float) -> BenchConfig:
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, request_rate=rate))
+def simulation_line(sim: dict[str, Any]) -> str:
+    """A simulated report's `simulation` section in one line."""
+    return (f"simulated {sim['iterations']} iterations in {sim['wall_s']:.1f} s; "
+            f"{sim['num_kv_blocks']} KV blocks; {sim['num_preemptions']} preemptions; stages "
+            f"busy {sim['stage_busy_fraction']:.0%}, idle while in flight (bubbles) "
+            f"{sim['pipeline_bubble_fraction']:.0%}")
 
 
 def default_max_model_len(value: int | None) -> int:
     # The paper's sharegpt runs use max_seq_len 8192 (its longest request is 8149 tokens).
     return 8192 if value is None else value
+
+
+def scheduler_setups(systems: list[tuple[str, int | None, int | None]], policies: list[str],
+                     budgets: list[int], max_num_seqs: int,
+                     max_model_len: int | None) -> list[tuple[str, SchedulerConfig]]:
+    """(label, config) of each (policy, budget, max seqs) system, or else of each policy x
+    budget; a budget or max seqs not given is the policy's default."""
+    max_len = default_max_model_len(max_model_len)
+    specs = systems or [(p, b, None) for p, b in itertools.product(policies, budgets)]
+    out = []
+    for policy, budget, seqs in specs:
+        # vLLM and Orca run whole prefills: their budget defaults to max_model_len (vLLM's rule).
+        budget = budget or (budgets[0] if policy in ("sarathi", "chunked_only") else max_len)
+        cfg = SchedulerConfig(policy, budget, seqs or max_num_seqs, max_len)
+        out.append((f"sim-{cfg.policy}-b{cfg.token_budget}-s{cfg.max_num_seqs}", cfg))
+    return out

@@ -1,0 +1,86 @@
+"""The engine's paged attention for one layer: prefill chunks by cached tokens, decode
+batches by context."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from ..model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from ..sim.profile_csv import stat_columns, time_stats
+from .timing import cpu_ms
+
+MIN_CONTEXT, MAX_CONTEXT = 16, 2048
+COLD_BYTES = 128 << 20  # KV read between two calls of one case: more than the CPU caches
+BLOCK = 16
+
+
+def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
+                      dt: torch.dtype) -> list[dict[str, Any]]:
+    """The engine's paged_attention for one layer: prefill (chunk, cached), decode (batch, ctx)."""
+    cases = [(1, c, k) for c in grid["chunks"] for k in grid["cached"] if c + k <= 4096]
+    cases += [(b, 0, ctx) for b in grid["batches"]
+              for ctx in sorted({n // b for n in grid["decode_tokens"]})
+              if MIN_CONTEXT <= ctx <= MAX_CONTEXT]
+    # One KV cache for every case, allocated once like the engine's.
+    layers = cfg.num_hidden_layers
+    size = torch.tensor([], dtype=dt).element_size()
+    blocks = max(b * _blocks(c, k) * _copies(b * _blocks(c, k), cfg, layers, size)
+                 for b, c, k in cases)
+    cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
+                        device=dev)
+    return [_attention_row(cfg, b, c, k, grid["repeats"], cache, layers, size)
+            for b, c, k in cases]
+
+
+def _blocks(chunk: int, cached: int) -> int:
+    """KV blocks of one request: its cached tokens plus this chunk (one token for a decode)."""
+    return -(-(cached + max(chunk, 1)) // BLOCK)
+
+
+def _copies(blocks: int, cfg: Any, layers: int, itemsize: int) -> int:
+    """How many disjoint copies of a case's KV to rotate through so each call reads it cold.
+
+    The engine reads a different layer's KV for each of its `layers` calls an iteration, so
+    its KV comes from memory, not the caches; reading one copy again and again would be too
+    fast by up to a quarter at the contexts a light load reaches (8 MB of KV a layer).
+    """
+    nbytes = 2 * blocks * BLOCK * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return max(1, min(layers, -(-COLD_BYTES // nbytes)))
+
+
+def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int,
+                   cache: torch.Tensor, layers: int, itemsize: int) -> dict[str, Any]:
+    """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev, dt = cache.device, cache.dtype
+    prefill = chunk > 0
+    per_seq = _blocks(chunk, cached)
+    case = batch * per_seq
+    workspace = GatherWorkspace()  # shared by the case's batches, as by the engine's layers
+    built = [AttentionMetadata.build(
+        [(cached if prefill else cached - 1, chunk if prefill else 1,
+          list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
+         for i in range(batch)], BLOCK, dev, workspace)
+        for j in range(_copies(case, cfg, layers, itemsize))]
+    for meta in built:  # once per iteration in the engine, not per layer: not timed
+        meta.prepare(cache)
+    metas = itertools.cycle(built)
+    n = chunk if prefill else batch
+    q = torch.randn(n, hq, hd, dtype=dt, device=dev)
+    k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
+    # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
+    s = cpu_ms(lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), repeats,
+               warmup=3)
+    zero = time_stats([0.0])
+    timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
+                                                                     "attn_prefill")
+    row = stat_columns("attn_input_reshape", zero) | stat_columns("attn_output_reshape", zero)
+    row |= stat_columns(timed, s) | {key: "" for key in stat_columns(blank, zero)}
+    return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
+                  "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
+                  "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
+                  "attention_backend": "stallfree.paged_attention", "profile_method": "cpu",
+                  # The kernel caps its calls by KV bytes on CPU only (0: not capped).
+                  "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}

@@ -1,0 +1,63 @@
+"""Each token-level op of one decoder layer (and the embedding and LM head), by token count.
+
+The ops are the engine's own modules, reached through the model's attributes
+(`model.model.layers[0].self_attn.qkv_proj`, ...); the MLP activation (SiLU x mul)
+is written out here as `SwiGLUMLP.forward` computes it, since the model offers it
+as no function of its own.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..model.layers import apply_rope
+from ..sim.profile_csv import stat_columns, time_stats
+from .timing import cpu_ms
+
+LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
+OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+       "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "lm_head")
+
+
+def profile_ops(model: Any, cfg: Any, grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each token-level op of layer 0 (and the embedding / LM head) at each token count."""
+    shape = {"n_head": cfg.num_attention_heads, "n_kv_head": cfg.num_key_value_heads,
+             "n_embd": cfg.hidden_size, "n_expanded_embd": cfg.intermediate_size,
+             "vocab_size": cfg.vocab_size, "use_gated_mlp": True,
+             "num_tensor_parallel_workers": 1}
+    return [_ops_row(model, cfg, t, grid["repeats"]) | shape | {"num_tokens": t}
+            for t in grid["tokens"]]
+
+
+def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
+    layer = model.model.layers[0]
+    attn, h, hd, inter = layer.self_attn, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    weight = model.model.embed_tokens.weight
+    dev, dt = weight.device, weight.dtype
+    x, y = torch.randn(t, h, dtype=dt, device=dev), torch.randn(t, h, dtype=dt, device=dev)
+    ids = torch.randint(0, cfg.vocab_size, (t,), device=dev)
+    cos, sin = model.model.rotary.lookup(torch.arange(t, device=dev), dt)
+    qk = torch.randn(t, cfg.num_attention_heads + cfg.num_key_value_heads, hd, dtype=dt,
+                     device=dev)
+    up = torch.randn(t, 2 * inter, dtype=dt, device=dev)
+    attn_out = torch.randn(t, attn.q_size, dtype=dt, device=dev)
+    fns = {"emb": lambda: model.model.embed_tokens(ids),
+           "input_layernorm": lambda: layer.input_layernorm(x),
+           "attn_pre_proj": lambda: attn.qkv_proj(x),
+           "attn_rope": lambda: apply_rope(qk, cos, sin),
+           "attn_post_proj": lambda: attn.o_proj(attn_out),
+           "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
+           "mlp_up_proj": lambda: layer.mlp.gate_up_proj(x),
+           "mlp_act": lambda: F.silu(up[:, :inter]) * up[:, inter:],
+           "mlp_down_proj": lambda: layer.mlp.down_proj(up[:, :inter]),
+           "add": lambda: x + y,
+           "lm_head": lambda: model.compute_logits(x)}
+    row: dict[str, Any] = {}
+    for op in OPS:
+        if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
+            row |= {k: "" for k in stat_columns(op, time_stats([0.0]))}
+        else:
+            row |= stat_columns(op, cpu_ms(fns[op], repeats))
+    return row
