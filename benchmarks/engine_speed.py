@@ -64,7 +64,8 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float
 
 
 def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
-    """A `prompt_len`-token prompt prefilled in chunks of `chunk` tokens (chunking overhead included)."""
+    """A `prompt_len`-token prompt prefilled in chunks of `chunk` tokens (chunking overhead
+    included)."""
     llm.reconfigure(token_budget=chunk, kv_cache_memory=None)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rates = []

@@ -75,7 +75,8 @@ def main() -> None:
     llm = LLM(max_model_len=4096)
     long_prompt = _long_prompt(llm, args.long_tokens)
     results = [run(llm, policy, budget, long_prompt) for policy, budget in POLICIES]
-    print("| policy | token budget | longest TBT of the decoding requests | TTFT of the long prompt |")
+    print("| policy | token budget | longest TBT of the decoding requests "
+          "| TTFT of the long prompt |")
     print("|---|---|---|---|")
     for res in results:
         print(f"| {res['policy']} | {res['budget']} | {res['max_gap'] * 1000:.0f} ms "

@@ -52,7 +52,8 @@ class SamplingParams:
         check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "must be an integer >= 1 or None")
-        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+              "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", "must not exceed max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")

@@ -6,8 +6,8 @@ POLICY_CHECKS.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 from hypothesis import strategies as st

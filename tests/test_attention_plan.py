@@ -1,11 +1,17 @@
-"""The rule that splits a decode batch into length groups (pure Python, shared with the simulator)."""
+"""The rule that splits a decode batch into length groups (pure Python, shared with the
+simulator)."""
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stallfree.attention_plan import (CALL_COST_TOKENS, MAX_PADDING_FACTOR, decode_groups,
-                                      max_call_tokens, padded_groups)
+from stallfree.attention_plan import (
+    CALL_COST_TOKENS,
+    MAX_PADDING_FACTOR,
+    decode_groups,
+    max_call_tokens,
+    padded_groups,
+)
 
 BS = 16
 

@@ -1,11 +1,9 @@
 """BlockManager: allocation, growth, freeing, watermark, ref counts and invariants."""
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 
 from stallfree.request import Request
 from stallfree.sampling_params import SamplingParams

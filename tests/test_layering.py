@@ -38,7 +38,7 @@ SIDEWAYS = {
     "iteration_log": ("outputs",),
     "distributed": ("executor",),          # the distributed executor reuses the local one
     "sim": ("bench",),                     # shared workload and report code
-    "profiler": ("sim",),                  # writes the profiles the simulator reads, with its cost model
+    "profiler": ("sim",),                  # writes profiles, netting out the cost model
     "__main__": ("cli",),
 }
 

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from stallfree.model import (AttentionMetadata, allocate_kv_cache, default_model_path,
-                             eos_token_ids, load_model, load_tokenizer)
+from stallfree.model import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    default_model_path,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+)
 
 PROMPT = ("The paged KV cache stores keys and values in fixed-size blocks, so a serving "
           "engine can grow many sequences at once without fragmenting memory. Explain why.")
@@ -143,7 +149,8 @@ def test_gguf_quant_types_load_exactly(tmp_path):
     path = tmp_path / "tiny.gguf"
     stored = _write_gguf(path)
     model, config = load_model(str(path), torch.float32, "cpu")
-    assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (HIDDEN, KV_HEADS, HEAD_DIM)
+    assert (config.hidden_size, config.num_key_value_heads, config.head_dim) \
+        == (HIDDEN, KV_HEADS, HEAD_DIM)
     assert not config.tie_word_embeddings and config.eos_token_id == 2
 
     def deq(name: str) -> torch.Tensor:

@@ -13,8 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from stallfree.model import (AttentionMetadata, LlamaForCausalLM, ModelConfig,
-                             allocate_kv_cache, kv_cache_bytes_per_token, load_model)
+from stallfree.model import (
+    AttentionMetadata,
+    LlamaForCausalLM,
+    ModelConfig,
+    allocate_kv_cache,
+    kv_cache_bytes_per_token,
+    load_model,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -35,8 +41,9 @@ CASES = {
 
 
 def _build_reference(kind: str, extra: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
-    from transformers import Qwen2Config, Qwen2ForCausalLM as HFQwen2
+    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaForCausalLM as HFLlama
+    from transformers import Qwen2ForCausalLM as HFQwen2
 
     torch.manual_seed(0)
     if kind == "llama":
@@ -80,7 +87,8 @@ class _Request:
         self.ids, self.blocks, self.cached = ids, blocks, 0
 
 
-def _step(model: LlamaForCausalLM, kv: torch.Tensor, batch: list[tuple[_Request, int]]) -> torch.Tensor:
+def _step(model: LlamaForCausalLM, kv: torch.Tensor,
+          batch: list[tuple[_Request, int]]) -> torch.Tensor:
     """One forward over (request, num_new_tokens) entries; returns logits for every row."""
     meta = AttentionMetadata.build([(r.cached, n, r.blocks) for r, n in batch], BLOCK_SIZE, "cpu")
     ids = torch.tensor([t for r, n in batch for t in r.ids[r.cached:r.cached + n]])
@@ -100,7 +108,8 @@ def _shuffled_blocks(seed: int) -> list[int]:
 
 def test_single_prefill_matches_hf(pair):
     model, config, ref = pair
-    ids = torch.randint(0, config.vocab_size, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (29,), generator=gen).tolist()
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     req = _Request(ids, _shuffled_blocks(0)[:8])
     ours = _step(model, kv, [(req, len(ids))])
@@ -110,7 +119,8 @@ def test_single_prefill_matches_hf(pair):
 
 def test_chunked_prefill_then_decodes_match_hf(pair):
     model, config, ref = pair
-    ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, config.vocab_size, (30,), generator=gen).tolist()
     expected = _ref_logits(ref, ids)
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     req = _Request(ids, _shuffled_blocks(1)[:8])  # non-contiguous, out-of-order blocks
@@ -138,7 +148,7 @@ def test_mixed_batch_matches_hf(pair):
     batch = [(reqs[0], 6), (reqs[1], 10), (reqs[2], 1), (reqs[3], 1), (reqs[4], 1)]
     ours = _step(model, kv, batch)
     row = 0
-    for (r, n), start, s in zip(batch, starts, seqs):
+    for (_, n), start, s in zip(batch, starts, seqs):
         expected = _ref_logits(ref, s)[start:start + n]
         assert _rel_err(ours[row:row + n], expected) < TOL, f"request at {start}+{n}"
         row += n

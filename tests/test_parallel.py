@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on CPU (gloo): same tokens as one process, real workers.
 
-A small random-weight Qwen2 (q/k/v biases, untied LM head; saved as a Hugging Face directory with the default
-model's tokenizer) keeps start-up cheap; one run uses the default model.
+A small random-weight Qwen2 (q/k/v biases, untied LM head; saved as a Hugging Face
+directory with the default model's tokenizer) keeps start-up cheap; one run uses the
+default model.
 """
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_server_with_workers_fails_requests_on_a_crash_and_stops_cleanly(small_model):
-    from openai import OpenAI, APIError
+    from openai import APIError, OpenAI
 
     from server_utils import ServerProcess
 

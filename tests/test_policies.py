@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from stallfree.config import POLICIES, SchedulerConfig
-from stallfree.scheduler import (ChunkedOnlyScheduler, OrcaScheduler, RequestLevelScheduler,
-                                 SarathiScheduler, VLLMScheduler)
-
 from scheduler_helpers import make_request, new_scheduler, run_until_done, shape, step
+from stallfree.config import POLICIES, SchedulerConfig
+from stallfree.scheduler import (
+    ChunkedOnlyScheduler,
+    OrcaScheduler,
+    RequestLevelScheduler,
+    SarathiScheduler,
+    VLLMScheduler,
+)
 
 
 def test_every_policy_is_registered():

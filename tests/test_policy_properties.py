@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.config import POLICIES
-
 from scheduler_helpers import POLICY_CHECKS, drive, workloads
+from stallfree.config import POLICIES
 
 
 def test_every_policy_has_a_check():

@@ -53,7 +53,8 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
     seeded = SamplingParams(temperature=1.0, seed=42)
     alone = Sampler(seed=7)(logits[1:2], [_req(seeded)])
-    batched = Sampler(seed=9)(logits, [_req(SamplingParams()), _req(seeded), _req(SamplingParams())])
+    batched = Sampler(seed=9)(logits,
+                              [_req(SamplingParams()), _req(seeded), _req(SamplingParams())])
     assert alone[0] == batched[1]
 
 

@@ -8,14 +8,13 @@ import sys
 
 import pytest
 
-
+from scheduler_helpers import TOKEN, make_request, new_scheduler, run_until_done, shape, step
 from stallfree.config import SchedulerConfig
 from stallfree.request import RequestStatus
-from stallfree.scheduler import (BlockManager, SarathiScheduler, make_scheduler)
+from stallfree.scheduler import BlockManager, SarathiScheduler, make_scheduler
 from stallfree.scheduler.base import Batch
 from stallfree.scheduler.output import ScheduledChunk
 
-from scheduler_helpers import TOKEN, make_request, new_scheduler, run_until_done, shape, step
 
 def make_scheduler_for_test(**kwargs) -> SarathiScheduler:
     sched = new_scheduler("sarathi", **kwargs)

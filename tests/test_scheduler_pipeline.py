@@ -5,9 +5,8 @@ from collections import deque
 
 import pytest
 
-from stallfree.config import POLICIES
-
 from scheduler_helpers import TOKEN, make_request, new_scheduler
+from stallfree.config import POLICIES
 
 
 def _drive_pipelined(sched, depth: int, limit: int = 2000):

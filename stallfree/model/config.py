@@ -79,7 +79,8 @@ class ModelConfig:
                     f"unsupported model architecture {archs or model_type!r}; supported: "
                     f"{sorted(HF_ARCHITECTURES)}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is supported")
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; "
+                             f"only silu is supported")
         if cfg.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         arch = known[0]
@@ -172,7 +173,8 @@ def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[
     if kind in (None, "none"):
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        return {"rope_type": "linear", "factor": factor}
     raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
 
 

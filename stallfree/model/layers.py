@@ -86,8 +86,10 @@ class RotaryEmbedding(nn.Module):
         buf = self.cos_sin
         self.cos_sin = self._table(buf.device).to(buf.dtype)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for each position, [T, 1, head_dim]; once per forward, shared by layers."""
+    def lookup(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for each position, [T, 1, head_dim]; once per forward, shared by
+        layers."""
         cs = self.cos_sin[:, positions].to(dtype)
         return cs[0].unsqueeze(1), cs[1].unsqueeze(1)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,7 +25,8 @@ class WeightFiller:
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)$")
-    _PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$")
+    _PROJ = re.compile(
+        r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         cfg, shard = model.config, model.shard
