@@ -18,6 +18,7 @@ from typing import Any
 # token_budget = max_model_len.
 POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
 DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = (*DTYPES, "auto")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.85  # of the accelerator memory free after loading weights
 
@@ -138,17 +139,25 @@ class ParallelConfig:
 class EngineConfig:
     model: str | None = option(
         None, "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    dtype: str | None = option(None, "weights and KV dtype (default: float32 on CPU, "
-                                     "bfloat16 on CUDA)", choices=DTYPES)
+    dtype: str | None = option(
+        "auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with fast bf16 "
+                "(AMX or AVX512_BF16, confirmed by a timed matmul), float32 elsewhere",
+        choices=DTYPE_CHOICES)
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
     seed: int = option(0, "seed of unseeded sampling")
+    threads: int | None = option(
+        None, "CPU threads for the model's compute, per process (default: $OMP_NUM_THREADS, "
+              "else the cores this process may run on)", parse=int)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                             f"got {self.dtype!r}")
+        if self.threads is not None:
+            _check_positive_ints(self, "threads")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -205,11 +214,34 @@ def resolve_device(name: str | None, cuda_available: bool) -> str:
     return name
 
 
-def resolve_dtype(name: str | None, device_type: str) -> str:
-    """The dtype of weights and KV cache, by name (a `torch` attribute)."""
-    if name is None:
-        # The CPUs measured in docs/benchmarks.md favour float32; accelerators favour bf16.
-        return "bfloat16" if device_type == "cuda" else "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return name
+def dtype_needs_cpu_probe(name: str | None, device_type: str) -> bool:
+    """Whether resolving `name` on `device_type` needs to know if the CPU's bf16 is fast."""
+    return name in (None, "auto") and device_type == "cpu"
+
+
+def resolve_dtype(name: str | None, device_type: str, cpu_bf16: tuple[bool, str] | None = None
+                  ) -> tuple[str, str]:
+    """The dtype of weights and KV cache (a `torch` attribute name) and why it was chosen.
+
+    `cpu_bf16` is (fast, why) from measuring this CPU; needed when
+    `dtype_needs_cpu_probe` says so.
+    """
+    if name not in (None, "auto"):
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+        return name, "given"
+    if device_type != "cpu":
+        return "bfloat16", f"auto on {device_type}"
+    if cpu_bf16 is None:
+        raise ValueError("dtype auto on CPU needs the CPU's bf16 probe")
+    fast, why = cpu_bf16
+    return ("bfloat16" if fast else "float32"), f"auto on cpu: {why}"
+
+
+def resolve_threads(requested: int | None, env_value: str | None, available: int) -> int:
+    """Compute threads: the ones asked for, else $OMP_NUM_THREADS, else every usable core."""
+    if requested is not None:
+        return requested
+    if env_value and env_value.strip().isdigit() and int(env_value) > 0:
+        return int(env_value)
+    return max(1, available)

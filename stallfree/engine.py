@@ -2,16 +2,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig, resolve_device, resolve_dtype
+from .config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    dtype_needs_cpu_probe,
+    resolve_device,
+    resolve_dtype,
+    resolve_threads,
+)
 from .distributed.distributed_executor import DistributedExecutor, threads_per_worker
 from .distributed.worker import WorkerConfig
 from .executor.base import Executor
+from .executor.hardware import available_cores, probe_cpu_bf16
 from .executor.local import LocalExecutor
 from .model.config import ModelConfig
 from .model.llama import kv_cache_bytes_per_token
@@ -19,6 +30,7 @@ from .model.loader import load_model, load_model_config
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
 from .outputs import (
+    EngineInfo,
     EngineStats,
     IterationRecord,
     RequestOutput,
@@ -33,6 +45,8 @@ from .scheduler import make_scheduler
 from .scheduler.kv_cache import BlockManager
 from .scheduler.output import SchedulerOutput
 from .scheduler.pipeline import next_micro_batch
+
+logger = logging.getLogger("stallfree.engine")
 
 
 @dataclass
@@ -55,9 +69,10 @@ def make_executor(config: EngineConfig, device: torch.device,
     model_config = load_model_config(config.model)
     Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size).check(
         model_config.num_hidden_layers, model_config.num_key_value_heads)
+    threads = threads_per_worker(parallel.world_size, config.threads)
     worker_config = WorkerConfig(config.model, dtype_name, device.type,
                                  parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                 config.seed, threads_per_worker(parallel.world_size))
+                                 config.seed, threads)
     return DistributedExecutor(worker_config, parallel), model_config
 
 
@@ -65,7 +80,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
-        dtype_name = resolve_dtype(config.dtype, self.device.type)
+        threads = resolve_threads(config.threads, os.environ.get("OMP_NUM_THREADS"),
+                                  available_cores())
+        if self.device.type == "cpu" and config.parallel.world_size == 1:
+            torch.set_num_threads(threads)  # before the probe, which times this many
+        probe = None
+        if dtype_needs_cpu_probe(config.dtype, self.device.type):
+            result = probe_cpu_bf16()
+            probe = (result.fast, result.reason)
+        dtype_name, why = resolve_dtype(config.dtype, self.device.type, probe)
+        logger.info("dtype %s (%s); %d compute threads", dtype_name, why, threads)
+        self.info = EngineInfo(self.device.type, dtype_name, why, threads)
         self.dtype = getattr(torch, dtype_name)
         self.executor, self.model_config = make_executor(config, self.device, dtype_name)
         self.tokenizer = load_tokenizer(config.model)

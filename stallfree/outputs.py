@@ -125,3 +125,13 @@ class EngineStats:
     kv_usage: float  # fraction of KV blocks in use
     num_free_blocks: int
     num_total_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """How the engine was set up, for the start-up log, metrics and `generate --json`."""
+
+    device: str
+    dtype: str
+    dtype_reason: str  # "given", or what the auto choice measured
+    threads: int  # compute threads per process

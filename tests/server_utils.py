@@ -13,7 +13,14 @@ import httpx
 
 from stallfree.bench.systems import ServerProcess as LaunchedServer
 from stallfree.bench.systems import System, free_port
-from stallfree.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput, StepResult
+from stallfree.outputs import (
+    CompletionOutput,
+    EngineInfo,
+    EngineStats,
+    RequestOutput,
+    StepOutput,
+    StepResult,
+)
 
 
 class ServerProcess(LaunchedServer):
@@ -118,6 +125,7 @@ class FakeEngine:
         self.fail = threading.Event()
         self._requests: dict[str, _FakeRequest] = {}
         self._stats = EngineStats(0, 0, 0.0, 100, 100)
+        self.info = EngineInfo("cpu", "float32", "given", 1)
 
     def stats(self) -> EngineStats:
         return self._stats

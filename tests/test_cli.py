@@ -20,6 +20,8 @@ def test_generate_json_lines():
     for row in rows:
         assert {"text", "token_ids", "finish_reason", "ttft", "tbt"} <= row.keys()
         assert len(row["token_ids"]) == 6 and len(row["tbt"]) == 5 and row["ttft"] > 0
+        # The default dtype is auto: the machine's choice, and why, are reported.
+        assert row["dtype"] in ("float32", "bfloat16") and row["dtype_reason"].startswith("auto")
 
 
 def test_bad_flag_value_is_a_clear_error():

@@ -26,7 +26,7 @@ CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden
 PROMPTS = [[(7 * i + 3 * j) % 5000 + 10 for j in range(n)]
            for i, n in enumerate((3, 9, 17, 30, 41, 5, 60, 12))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-ENGINE = dict(policy="sarathi", token_budget=16, max_model_len=256)
+ENGINE = dict(policy="sarathi", token_budget=16, max_model_len=256, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_default_model_tp2_pp2_matches(default_llm):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [o.token_ids for o in default_llm.generate(prompts, params)]
     with LLM(tensor_parallel_size=2, pipeline_parallel_size=2, token_budget=16,
-             max_model_len=256) as llm:
+             max_model_len=256, dtype="float32") as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
 
 

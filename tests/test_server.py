@@ -21,8 +21,9 @@ PROMPTS = [f"Write one sentence about the number {i} and the colour "
 
 @pytest.fixture(scope="module")
 def server():
+    # float32: streams are compared with each other alone and batched (see conftest).
     proc = ServerProcess("--served-model-name", MODEL, "other-name",
-                         "--max-model-len", str(MAX_MODEL_LEN))
+                         "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
     yield proc
     proc.stop()
 

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
             outputs = llm.generate(args.prompts, params)
+        info = llm.engine.info
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
             print(json.dumps({
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
                 "finish_reason": out.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
                 "ttft": out.ttft, "tbt": out.tbt,
                 "scheduling_delay": (out.first_scheduled_time - out.arrival_time
-                                     if out.first_scheduled_time else None)}))
+                                     if out.first_scheduled_time else None),
+                "dtype": info.dtype, "dtype_reason": info.dtype_reason}))
         else:
             print(f"--- {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens, "
                   f"TTFT {out.ttft:.3f}s]")

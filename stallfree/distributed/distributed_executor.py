@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 from ..executor.base import RunnerOutput
+from ..executor.hardware import available_cores
 from ..scheduler.output import SchedulerOutput
 from . import channel
 from .worker import WorkerConfig, WorkerInfo
@@ -29,12 +30,15 @@ class WorkerError(RuntimeError):
     """A worker failed or exited; the engine cannot go on."""
 
 
-def threads_per_worker(world_size: int) -> int | None:
-    """CPU threads per local worker so that together they use each core once (an
-    OMP_NUM_THREADS the user set wins): oversubscribed OpenMP threads collapse."""
+def threads_per_worker(world_size: int, requested: int | None = None) -> int | None:
+    """CPU threads per local worker: the ones asked for, else (unless OMP_NUM_THREADS is
+    set) an even share of the cores this process may use, each used once, since
+    oversubscribed OpenMP threads collapse."""
+    if requested is not None:
+        return requested
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return max(1, available_cores() // world_size)
 
 
 class DistributedExecutor:

@@ -83,6 +83,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics or ServerMetrics(model_name)
+        self.metrics.set_engine_info(engine.info)
         self.iteration_log = iteration_log
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()

@@ -12,10 +12,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
 
-from ..outputs import RequestOutput
+from ..outputs import EngineInfo, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -70,6 +71,13 @@ class ServerMetrics:
                                 "Sequences that finished, by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
         self.aborted = counter("request_aborted", "Requests aborted (e.g. client disconnects).")
+        self._engine_info = Info("stallfree:engine", "How the engine runs: device, dtype (and "
+                                 "why auto chose it), compute threads.", registry=registry)
+
+    def set_engine_info(self, info: EngineInfo) -> None:
+        self._engine_info.info({"model_name": self.model_name, "device": info.device,
+                                "dtype": info.dtype, "dtype_reason": info.dtype_reason,
+                                "threads": str(info.threads)})
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Latencies of a finished request (engine monotonic times)."""
