@@ -141,10 +141,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for rid in self.requests:
             for block_id in bm.block_table(rid):
                 refs[block_id] += 1
-        free = set(bm._free)
         for block in bm.blocks:
             assert block.ref_count == refs[block.block_id] >= 0
-            assert not (block.block_id in free and block.ref_count), "free and referenced"
+            lists = bm.lists_holding(block.block_id)
+            # Referenced blocks are on no list; the others on exactly one, by their key.
+            assert lists == ([] if refs[block.block_id] else
+                             ["evictable"] if block.key is not None else ["free"])
         held = sum(1 for n in refs if n)
         assert bm.num_free_blocks + held == bm.num_total_blocks
 
@@ -157,7 +159,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block in keyed:
             tokens = self.written[block.block_id]
             assert len(tokens) % bm.block_size == 0 and tokens, "a partial block is cached"
-            assert chain_keys(tokens, bm.block_size, bm._cache.root)[-1] == block.key
+            assert chain_keys(tokens, bm.block_size, bm.root_key)[-1] == block.key
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,

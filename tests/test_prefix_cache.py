@@ -177,11 +177,11 @@ def test_after_every_request_free_plus_cached_is_all_and_reset_frees_all():
     assert bm.num_evictable_blocks > 0 and bm.usage == 0.0
     # Nothing runs: every cached block is evictable, every other block free.
     assert bm.num_cached_blocks == bm.num_evictable_blocks
-    assert len(bm._free) + bm.num_evictable_blocks == bm.num_total_blocks
+    assert bm.num_free_blocks == bm.num_total_blocks
     num_cached = bm.num_cached_blocks
     assert bm.reset_prefix_cache() == num_cached
     assert bm.num_cached_blocks == bm.num_evictable_blocks == 0
-    assert len(bm._free) == bm.num_free_blocks == bm.num_total_blocks
+    assert bm.num_free_blocks == bm.num_total_blocks
     bm.check_invariants()
 
 

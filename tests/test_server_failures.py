@@ -40,8 +40,9 @@ def _is_error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
-def test_api_key_guards_every_v1_route(serve):
-    server = serve(FakeEngine(), api_key="sekret")
+def test_api_key_guards_every_v1_route_and_the_admin_routes(serve):
+    engine = FakeEngine()
+    server = serve(engine, api_key="sekret")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=server.url, timeout=10) as c:
         _is_error(c.post("/v1/completions", json=body), 401)
@@ -49,7 +50,12 @@ def test_api_key_guards_every_v1_route(serve):
                          headers={"Authorization": "Bearer wrong"}), 401)
         _is_error(c.get("/v1/models"), 401)
         _is_error(c.post("/v1/chat/completions", content=b"{not json"), 401)  # auth comes first
+        _is_error(c.post("/reset_prefix_cache"), 401)
+        assert getattr(engine, "prefix_cache_resets", 0) == 0
         ok = {"Authorization": "Bearer sekret"}
+        r = c.post("/reset_prefix_cache", headers=ok)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "num_cached_blocks": 3}
+        assert engine.prefix_cache_resets == 1
         r = c.post("/v1/completions", json=body, headers=ok)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xx"
         assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == MODEL

@@ -19,6 +19,7 @@ from ..request import Request, RequestStatus
 from .kv_cache import BlockManager
 from .output import ScheduledChunk, SchedulerOutput
 from .prefix_cache import PrefixHit
+from .siblings import HeldSiblings
 
 
 @dataclass
@@ -79,8 +80,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._busy: frozenset[str] = frozenset()  # in flight in a pipeline: not schedulable
-        # n > 1 with prefix caching: siblings waiting for their leader's prompt KV, by leader id.
-        self._held: dict[str, list[Request]] = {}
+        self._held = HeldSiblings()  # n > 1: siblings waiting for their leader's prompt KV
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -104,22 +104,16 @@ class Scheduler:
         self.add_request(leader)
         bm = self.block_manager
         if others and bm.enable_caching and leader.num_prompt_tokens > bm.block_size:
-            self._held[leader.request_id] = others
+            self._held.hold(leader, others)
             self._requests.update((r.request_id, r) for r in others)
         else:
             for request in others:
                 self.add_request(request)
 
     def _release_held(self, leader: Request) -> None:
-        """Queues the leader's siblings once its prompt's shareable blocks are cached (or it
-        finished without them: they then compute the prompt themselves)."""
-        if leader.request_id not in self._held:
-            return
-        shareable = (leader.num_prompt_tokens - 1) // self.block_manager.block_size
-        if leader.is_finished or \
-                leader.num_computed_tokens >= shareable * self.block_manager.block_size:
-            # The front: they arrived with a request that was already admitted.
-            self.waiting.extendleft(reversed(self._held.pop(leader.request_id)))
+        # The front of the queue: they arrived with a request already admitted.
+        released = self._held.release(leader, self.block_manager.block_size)
+        self.waiting.extendleft(reversed(released))
 
     def _check_new(self, request: Request) -> None:
         """Raises ValueError unless the request can be added."""
@@ -184,12 +178,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif not self._held.discard(request):  # else a sibling held for its leader
             self.waiting.remove(request)
-        else:  # a sibling held back for its leader's prompt
-            for siblings in self._held.values():
-                if request in siblings:
-                    siblings.remove(request)
         self.block_manager.free(request)
         request.status = status
         self._release_held(request)
@@ -199,7 +189,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(s) for s in self._held.values())
+        return len(self.waiting) + len(self._held)
 
     @property
     def num_running(self) -> int:

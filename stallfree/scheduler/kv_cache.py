@@ -99,6 +99,11 @@ class BlockManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._cache.stats
 
+    @property
+    def root_key(self) -> bytes:
+        """The parent key of every sequence's first block (see prefix_cache.chain_keys)."""
+        return self._cache.root
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceiling division
 
@@ -261,6 +266,12 @@ class BlockManager:
         return list(self._tables.get(request_id, ()))
 
     # ---- checking -------------------------------------------------------------
+    def lists_holding(self, block_id: int) -> list[str]:
+        """Which of the free and evictable lists hold the block (for checks; O(blocks))."""
+        return ([name for name, ids in (("free", self._free),
+                                        ("evictable", self._cache.evictable()))
+                 if block_id in ids])
+
     def check_invariants(self) -> None:
         """Raises AssertionError unless free, held and evictable blocks partition the cache,
         every reference is counted, and every key is consistent."""
