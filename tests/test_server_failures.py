@@ -169,7 +169,8 @@ def test_n_and_multiple_prompts_are_indexed_like_openai(serve):
         body = r.json()
         assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
         assert [ch["text"] for ch in body["choices"]] == ["abxx", "abxx", "cdexx", "cdexx"]
-        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         lines = []
         with c.stream("POST", "/v1/completions", json={
                 "prompt": [[97, 98], [99]], "n": 2, "max_tokens": 2, "stream": True,

@@ -206,19 +206,20 @@ class BlockManager:
         prefix cache statistics count.
         """
         rid = request.request_id
-        if hit is not None:
-            if rid in self._tables or request.num_computed_tokens:
-                raise RuntimeError(f"request {rid!r} is admitted but already holds KV")
-            if self.enable_caching:
-                stats = self._cache.stats
-                stats.admissions += 1
-                stats.queries += request.num_tokens
-                stats.hits += hit.num_tokens
+        admission = hit is not None
+        if admission and (rid in self._tables or request.num_computed_tokens):
+            raise RuntimeError(f"request {rid!r} is admitted but already holds KV")
         hit = hit or NO_HIT
         missing = self._num_missing_blocks(request, num_new_tokens, hit)
-        if missing + self._num_revived(hit) > self.num_free_blocks:
-            raise RuntimeError(f"request {rid!r} needs {missing} more KV blocks, "
+        taken = missing + self._num_revived(hit)
+        if taken > self.num_free_blocks:
+            raise RuntimeError(f"request {rid!r} needs {taken} more KV blocks, "
                                f"only {self.num_free_blocks} are free")
+        if admission and self.enable_caching:
+            stats = self._cache.stats
+            stats.admissions += 1
+            stats.queries += request.num_tokens
+            stats.hits += hit.num_tokens
         if missing == 0 and not hit.block_ids:
             return  # never leave an empty table behind
         table = self._tables.setdefault(rid, [])
