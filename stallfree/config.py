@@ -91,6 +91,9 @@ class CacheConfig:
               "(default: 1GiB on CPU, 85% of free memory on CUDA)", parse=parse_size)
     watermark: float = option(
         0.01, "fraction of KV blocks kept free when admitting, so running requests can grow")
+    enable_prefix_caching: bool = option(
+        True, "share the KV of full blocks between requests with the same prefix (vLLM's "
+              "automatic prefix caching; on by default)", flags=("--enable-prefix-caching",))
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "block_size")

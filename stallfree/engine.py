@@ -108,8 +108,11 @@ class LLMEngine:
         scheduler_config = scheduler_config.resolved(self.model_config.max_position_embeddings)
         self.max_model_len = scheduler_config.max_model_len
         num_blocks = self._num_kv_blocks()
+        # Cached KV is valid only for this model in this dtype: both name the cache's keys.
+        namespace = f"{self.config.model}|{self.dtype}".encode()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
-                                          cache_config.watermark)
+                                          cache_config.watermark,
+                                          cache_config.enable_prefix_caching, namespace)
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.executor.reset_kv(num_blocks, cache_config.block_size)
         self._groups: dict[str, RequestGroup] = {}
@@ -119,8 +122,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        cached = bm.prefix_cache_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
-                           bm.num_free_blocks, bm.num_total_blocks)
+                           bm.num_free_blocks, bm.num_total_blocks, cached.queries, cached.hits)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached KV block (running requests keep theirs); returns how many
+        blocks were cached."""
+        return self.block_manager.reset_prefix_cache()
 
     # ---- capacity -------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -160,15 +169,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                              params, arrival, self.tokenizer, self.eos_token_ids)
-        added = []
-        try:
-            for child in group.children:
-                self.scheduler.add_request(child)
-                added.append(child)
-        except ValueError:
-            for child in added:
-                self.scheduler.abort_request(child.request_id)
-            raise
+        # All n sequences or none; with prefix caching they share one prefill of the prompt.
+        self.scheduler.add_group(group.children)
         for i, child in enumerate(group.children):
             self._child_to_group[child.request_id] = (request_id, i)
         self._groups[request_id] = group

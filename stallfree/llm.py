@@ -26,8 +26,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         """`engine_args` are the settings of `EngineConfig` by name (policy, token_budget
         or max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
-        kv_cache_memory, watermark, dtype, device, seed, tensor_parallel_size,
-        pipeline_parallel_size, num_local_workers, startup_timeout)."""
+        kv_cache_memory, watermark, enable_prefix_caching, dtype, device, seed,
+        tensor_parallel_size, pipeline_parallel_size, num_local_workers, startup_timeout)."""
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -44,7 +44,8 @@ class LLM:
 
     def reconfigure(self, **changes: object) -> None:
         """Changes scheduler or cache settings (policy, token_budget, max_num_seqs,
-        max_model_len, block_size, kv_cache_memory, watermark) without reloading weights."""
+        max_model_len, block_size, kv_cache_memory, watermark, enable_prefix_caching) without
+        reloading weights; the prefix cache starts empty."""
         config = self.engine.config
         changed = config.replace(**changes)
         if changed.model != config.model or changed.dtype != config.dtype \

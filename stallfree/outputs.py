@@ -34,6 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     arrival_time: float
     first_scheduled_time: float | None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -125,6 +126,9 @@ class EngineStats:
     kv_usage: float  # fraction of KV blocks in use
     num_free_blocks: int
     num_total_blocks: int
+    # Prefix cache, cumulative tokens since the cache was made: needed at admissions, found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ class Request:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache at first admission (None before).
+    num_cached_tokens: int | None = None
+    # Keys of its full blocks, filled in by the block manager as they are needed.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -70,5 +70,8 @@ class RequestGroup:
                                     if child.sampling_params.logprobs is not None else None)
                    for i, (child, detok) in enumerate(zip(self.children, self.detokenizers))]
         first = [c.first_scheduled_time for c in self.children if c.first_scheduled_time]
+        # The prompt is counted once (usage), so are its cached tokens: the first sequence's
+        # (with n > 1 the others share its blocks).
+        cached = self.children[0].num_cached_tokens or 0
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.arrival_time, min(first) if first else None)
+                             self.arrival_time, min(first) if first else None, cached)

@@ -16,7 +16,7 @@ from stallfree.config import SchedulerConfig
 from stallfree.request import Request, RequestStatus
 from stallfree.sampling_params import SamplingParams
 from stallfree.scheduler import BlockManager, OrcaScheduler, Scheduler, make_scheduler
-from stallfree.scheduler.output import SchedulerOutput
+from stallfree.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int | None = 16, arrival: float = 0.0,
@@ -29,10 +29,14 @@ TOKEN = 7  # what the fake model samples unless a test says otherwise
 
 
 def new_scheduler(policy: str, budget: int = 16, max_num_seqs: int = 8, max_model_len: int = 128,
-                  num_blocks: int = 64, block_size: int = 4, watermark: float = 0.0) -> Scheduler:
+                  num_blocks: int = 64, block_size: int = 4, watermark: float = 0.0,
+                  prefix_caching: bool = False) -> Scheduler:
+    """A scheduler on a fresh cache; prefix caching off unless asked for, as the prompts of
+    `make_request` all share a prefix and the shape tests count every token computed."""
     config = SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len)
-    return make_scheduler(config, BlockManager(num_blocks, block_size, watermark))
+    return make_scheduler(config, BlockManager(num_blocks, block_size, watermark,
+                                               enable_caching=prefix_caching))
 
 
 def step(sched: Scheduler, now: float = 0.0,
@@ -101,6 +105,7 @@ workloads = st.fixed_dictionaries({
     # (arrival iteration, prompt length, max_tokens, min_tokens)
     "requests": st.lists(st.tuples(st.integers(0, 15), st.integers(1, 60), st.integers(1, 24),
                                    st.integers(0, 3)), min_size=1, max_size=12),
+    "prefix_caching": st.booleans(),
 })
 
 
@@ -122,10 +127,15 @@ class Step:
     def ids(self) -> set[str]:
         return {c.request_id for c in self.out.chunks}
 
+    def phase(self, chunk: ScheduledChunk) -> bool:
+        """Whether a chunk belongs to the prefill phase: a prefill, or an admission (after a
+        cached prefix, a prompt's only uncached token is shaped like a decode)."""
+        return chunk.is_prefill or chunk.request_id in self.admitted
+
     @property
     def kinds(self) -> set[bool]:
         """{True} prefill-only, {False} decode-only, both if mixed, empty if idle."""
-        return {c.is_prefill for c in self.out.chunks}
+        return {self.phase(c) for c in self.out.chunks}
 
     def all_decoded(self, ids: set[str] | list[str]) -> bool:
         """Every one of `ids` got a decode this iteration, unless it was preempted."""
@@ -135,7 +145,7 @@ class Step:
 def check_sarathi(step: Step, prev: Step | None) -> None:
     # Stall-free: no running decode misses an iteration unless preempted.
     assert step.all_decoded(step.decodes_before), "a running decode was left out"
-    kinds = [c.is_prefill for c in step.out.chunks]
+    kinds = [step.phase(c) for c in step.out.chunks]
     assert kinds == sorted(kinds), "a decode was scheduled after a prefill chunk"
 
 
@@ -156,7 +166,7 @@ def check_vllm(step: Step, prev: Step | None) -> None:
 def check_orca(step: Step, prev: Step | None) -> None:
     assert not step.out.preempted, "orca preempted despite its KV reservation"
     assert step.all_decoded(step.running_before), "orca left a running decode out"
-    kinds = [c.is_prefill for c in step.out.chunks]
+    kinds = [step.phase(c) for c in step.out.chunks]
     assert kinds == sorted(kinds)
     sched = step.sched
     assert isinstance(sched, OrcaScheduler)
@@ -200,13 +210,52 @@ def iteration_limit(sched: Scheduler, w: dict) -> int:
     return last_arrival + 2 + per_token * sum(p + t for _, p, t, _ in w["requests"])
 
 
+class KVOracle:
+    """What the fake executor wrote into each physical block: every chunk must attend to KV
+    written, by a completed iteration, for exactly the tokens before it, and never write into
+    a block another request shares."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        # block id -> the token ids from position 0 up to the last one written into it
+        self.written: dict[int, tuple[int, ...]] = {}
+
+    def check_scheduled(self, chunk: ScheduledChunk) -> None:
+        bs, tokens = self.bm.block_size, chunk.request.all_token_ids
+        for i in range(self.bm.num_blocks_for(chunk.start)):
+            end = min((i + 1) * bs, chunk.start)
+            held = self.written.get(chunk.block_table[i], ())
+            assert held[:end] == tuple(tokens[:end]), (
+                f"{chunk.request_id}: block {chunk.block_table[i]} does not hold the KV of its "
+                f"tokens up to position {end}")
+        for i in range(chunk.start // bs, self.bm.num_blocks_for(chunk.start + chunk.num_tokens)):
+            assert self.bm.blocks[chunk.block_table[i]].ref_count == 1, (
+                f"{chunk.request_id} writes into shared block {chunk.block_table[i]}")
+
+    def completed(self, chunks: list[ScheduledChunk]) -> None:
+        """The iteration of `chunks` completed: their KV is written (whatever became of
+        their requests meanwhile: the executor ran them)."""
+        bs = self.bm.block_size
+        for c in chunks:
+            tokens, end = c.request.all_token_ids, c.start + c.num_tokens
+            for i in range(c.start // bs, self.bm.num_blocks_for(end)):
+                self.written[c.block_table[i]] = tuple(tokens[:min((i + 1) * bs, end)])
+
+
 def drive(w: dict, policy: str = "sarathi", eos: frozenset[int] = frozenset(),
-          stop_ids: tuple[int, ...] = (), aborts: dict[int, int] | None = None) -> None:
-    """Runs a workload to the end, checking the scheduler's promises every iteration."""
+          stop_ids: tuple[int, ...] = (), aborts: dict[int, int] | None = None,
+          prefix_caching: bool | None = None) -> None:
+    """Runs a workload to the end, checking the scheduler's promises every iteration.
+    Every prompt starts with the same tokens, so with prefix caching (the workload's
+    "prefix_caching" unless given) most admissions hit."""
+    if prefix_caching is None:
+        prefix_caching = w.get("prefix_caching", False)
     config = SchedulerConfig(policy=policy, token_budget=w["budget"],
                              max_num_seqs=w["max_num_seqs"], max_model_len=w["max_model_len"])
-    bm = BlockManager(w["num_blocks"], w["block_size"], w["watermark"])
+    bm = BlockManager(w["num_blocks"], w["block_size"], w["watermark"],
+                      enable_caching=prefix_caching)
     sched = make_scheduler(config, bm)
+    oracle = KVOracle(bm)
     check_policy = POLICY_CHECKS[policy]
     arrivals = sorted(enumerate(w["requests"]), key=lambda x: x[1][0])  # stable: FCFS ties
     accepted: list[Request] = []
@@ -239,15 +288,15 @@ def drive(w: dict, policy: str = "sarathi", eos: frozenset[int] = frozenset(),
         ids = [c.request_id for c in out.chunks]
         assert len(ids) == len(set(ids)), "a request scheduled twice"
         assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
-        prefills = [c for c in out.chunks if c.is_prefill]
+        prefills = [c for c in out.chunks if c.is_prefill or c.request_id in waiting_before]
         if out.num_batched_tokens > w["budget"]:
             # The one documented excess: a lone whole prefill longer than the budget.
             assert not sched.chunked_prefill and len(prefills) == 1
-            assert prefills[0].start == 0 and prefills[0].num_tokens > w["budget"]
+            assert prefills[0].num_tokens > w["budget"]
         assert len(sched.running) <= w["max_num_seqs"] and len(ids) <= w["max_num_seqs"]
         assert not set(ids) & set(out.preempted)
         if not sched.chunked_prefill:  # whole prefills only, each sampling a token
-            assert all(c.start == 0 and c.samples for c in prefills), "a prefill was chunked"
+            assert all(c.samples for c in prefills), "a prefill was chunked"
         if sched.has_unfinished_requests() and not sched.running:
             assert sched.num_waiting == 0, "nothing runs although requests wait"
         new = [rid for rid in ids if rid in waiting_before]
@@ -256,6 +305,10 @@ def drive(w: dict, policy: str = "sarathi", eos: frozenset[int] = frozenset(),
         for c in out.chunks:
             assert c.request.status is RequestStatus.RUNNING
             assert c.start == c.request.num_computed_tokens
+            if c.request_id in new:  # admitted after its cached prefix, whole blocks of it
+                assert c.start % bm.block_size == 0 and (prefix_caching or c.start == 0)
+                assert c.start < c.request.num_tokens
+            oracle.check_scheduled(c)
             assert len(c.block_table) >= bm.num_blocks_for(c.start + c.num_tokens)
             if c.request_id not in admitted:
                 admitted.append(c.request_id)
@@ -267,12 +320,15 @@ def drive(w: dict, policy: str = "sarathi", eos: frozenset[int] = frozenset(),
             if sched.abort_request(victim.request_id) is not None:
                 aborted.add(victim.request_id)
         sampled = {c.request_id: fake_token(c.request) for c in out.chunks if c.samples}
+        oracle.completed(out.chunks)
         finished += [r.request_id for r in sched.update(out, sampled, it + 0.5)]
         bm.check_invariants()  # includes: no negative ref count, free + held = all
         for r in sched.waiting:
             assert bm.block_table(r.request_id) == [] and r.num_computed_tokens == 0
-        held = sum(len(bm.block_table(r.request_id)) for r in sched.running)
-        assert bm.num_free_blocks + held == bm.num_total_blocks
+        held = {b for r in sched.running for b in bm.block_table(r.request_id)}
+        assert bm.num_free_blocks + len(held) == bm.num_total_blocks
+        if not prefix_caching:
+            assert bm.num_cached_blocks == 0
     else:
         raise AssertionError(f"{policy}: not finished after {limit} iterations")
 
@@ -290,3 +346,7 @@ def drive(w: dict, policy: str = "sarathi", eos: frozenset[int] = frozenset(),
         assert r.output_token_ids == tokens and r.finish_reason == reason
         assert len(r.token_times) == len(tokens)
     assert bm.num_free_blocks == bm.num_total_blocks and not sched.running
+    bm.reset_prefix_cache()
+    assert bm.num_evictable_blocks == bm.num_cached_blocks == 0
+    assert bm.num_free_blocks == bm.num_total_blocks
+    bm.check_invariants()

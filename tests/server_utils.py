@@ -133,6 +133,10 @@ class FakeEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
+    def reset_prefix_cache(self) -> int:
+        self.prefix_cache_resets = getattr(self, "prefix_cache_resets", 0) + 1
+        return 3
+
     def _count(self) -> None:
         live = [r for r in self._requests.values() if any(f is None for f in r.finish)]
         n = lambda rs: sum(r.params.n for r in rs)  # noqa: E731

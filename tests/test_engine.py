@@ -1,4 +1,8 @@
-"""End-to-end engine checks on the default model against Hugging Face transformers."""
+"""End-to-end engine checks on the default model against Hugging Face transformers.
+
+The references run without prefix caching, the runs compared with them with it (the
+default): the batched prompts find themselves cached, and a preempted request's
+recompute finds its own blocks."""
 from __future__ import annotations
 
 import pytest
@@ -57,9 +61,11 @@ def prompt_ids(default_llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def unchunked(default_llm, prompt_ids) -> list[list[int]]:
-    """Each prompt alone, whole prefill in one iteration."""
-    default_llm.reconfigure(token_budget=4096, kv_cache_memory=None)
-    return [default_llm.generate([ids], _greedy())[0].token_ids for ids in prompt_ids]
+    """Each prompt alone, whole prefill in one iteration, without prefix caching."""
+    default_llm.reconfigure(token_budget=4096, kv_cache_memory=None, enable_prefix_caching=False)
+    tokens = [default_llm.generate([ids], _greedy())[0].token_ids for ids in prompt_ids]
+    default_llm.reconfigure(enable_prefix_caching=True)
+    return tokens
 
 
 def test_greedy_matches_transformers(hf_reference, prompt_ids, unchunked):
@@ -78,9 +84,8 @@ def test_greedy_matches_transformers(hf_reference, prompt_ids, unchunked):
 @pytest.mark.parametrize("budget", [16, 64, 512, 4096])
 def test_chunked_prefill_gives_unchunked_tokens(default_llm, prompt_ids, unchunked, budget):
     default_llm.reconfigure(token_budget=budget, kv_cache_memory=None)
-    if budget < max(len(ids) for ids in prompt_ids):  # else "alone" is the unchunked baseline
-        alone = [default_llm.generate([ids], _greedy())[0].token_ids for ids in prompt_ids]
-        assert alone == unchunked
+    alone = [default_llm.generate([ids], _greedy())[0].token_ids for ids in prompt_ids]
+    assert alone == unchunked
     others = [[(7 * i + j) % 5000 + 100 for j in range(5 + 5 * i)] for i in range(20)]
     other_params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True)
                     for i in range(20)]
@@ -89,6 +94,9 @@ def test_chunked_prefill_gives_unchunked_tokens(default_llm, prompt_ids, unchunk
     params = other_params[:10] + [_greedy()] * len(prompt_ids) + other_params[10:]
     outputs = default_llm.generate(batch, params)
     assert [o.token_ids for o in outputs[10:10 + len(prompt_ids)]] == unchunked
+    # The prompts ran alone first: in the batch their whole blocks came from the cache.
+    assert [o.num_cached_tokens for o in outputs[10:10 + len(prompt_ids)]] == [
+        (len(ids) - 1) // 16 * 16 for ids in prompt_ids]
     engine = default_llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     if budget < 1000:
@@ -98,13 +106,17 @@ def test_chunked_prefill_gives_unchunked_tokens(default_llm, prompt_ids, unchunk
 def test_preemption_keeps_every_request_and_its_tokens(default_llm):
     prompts = [[(11 * i + j) % 3000 + 200 for j in range(40 + 12 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    default_llm.reconfigure(token_budget=128, kv_cache_memory=None)
+    default_llm.reconfigure(token_budget=128, kv_cache_memory=None, enable_prefix_caching=False)
     expected = [o.token_ids for o in default_llm.generate(prompts, params)]
     engine = default_llm.engine
     block_bytes = kv_cache_bytes_per_token(engine.model_config, engine.dtype) * 16
-    default_llm.reconfigure(token_budget=128, kv_cache_memory=20 * block_bytes)
+    default_llm.reconfigure(token_budget=128, kv_cache_memory=20 * block_bytes,
+                            enable_prefix_caching=True)
     outputs = default_llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.outputs[0].num_preemptions for o in outputs) > 0, "the budget forced no preemption"
+    # The prompts share nothing: the hits are recomputes finding their own cached blocks.
+    assert all(o.num_cached_tokens == 0 for o in outputs)
+    assert engine.stats().prefix_cache_hits > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks == 20
     default_llm.reconfigure(kv_cache_memory=None)

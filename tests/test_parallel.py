@@ -77,6 +77,27 @@ def test_parallel_greedy_matches_single_process(small_model, single_tokens, tp, 
                 assert not set(a.request_ids) & set(b.request_ids)
 
 
+def test_prefix_caching_across_workers_matches_one_process_without_it(small_model):
+    """Block tables stay the engine's; the workers' KV is shared by prefix, whether the
+    blocks came from another request, the same prompt's first sequence (n = 2) or, with
+    micro-batches in flight, only once their batch completed."""
+    shared = [(5 * j) % 4000 + 20 for j in range(40)]  # two full blocks, then 8 tokens
+    prompts = [shared + [(11 * i + j) % 4000 + 30 for j in range(3 + 4 * i)] for i in range(6)]
+    with LLM(small_model, enable_prefix_caching=False, **ENGINE) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    pair_params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=2)
+    with LLM(small_model, tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE) as llm:
+        first = llm.generate(prompts[:1], GREEDY)  # caches the shared blocks
+        rest = llm.generate(prompts[1:], GREEDY)
+        pair = llm.generate([prompts[5]], pair_params)[0]
+        stats = llm.engine.stats()
+    assert [o.token_ids for o in first + rest] == expected
+    assert first[0].num_cached_tokens == 0 and all(o.num_cached_tokens == 32 for o in rest)
+    assert [s.token_ids for s in pair.outputs] == [expected[5]] * 2
+    assert pair.num_cached_tokens == (len(prompts[5]) - 1) // 16 * 16
+    assert stats.prefix_cache_hits >= 5 * 32
+
+
 def test_pipeline_keeps_several_micro_batches_in_flight(small_model, single_tokens):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
     with LLM(small_model, pipeline_parallel_size=2, **ENGINE) as llm:

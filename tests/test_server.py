@@ -330,13 +330,50 @@ def test_metrics_counters_equal_usage_sums(server, client):
         assert delta(f"stallfree:{hist}_count") == num_requests, hist
     assert delta("stallfree:inter_token_latency_seconds_count") == sum(
         u.completion_tokens for u in usages) - (3 * 2 + 1 + 1 + 2)  # gaps = tokens - seqs
+    # Every prompt token is computed unless it came from the prefix cache.
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert delta("stallfree:iteration_tokens_total_sum") >= sum(
-        u.prompt_tokens for u in usages)
+        u.prompt_tokens for u in usages) - cached
+    assert delta("stallfree:prefix_cache_hits_total") == cached
+    # Queried at each sequence's admission: the three n = 2 prompts twice.
+    assert delta("stallfree:prefix_cache_queries_total") == sum(
+        u.prompt_tokens for u in usages) + sum(u.prompt_tokens for u in usages[:3])
     assert delta("stallfree:request_success_total") == 3 * 2 + 1 + 1 + 2
     assert delta("stallfree:num_preemptions_total") == 0
     text = httpx.get(server.url + "/metrics").text
     assert f'stallfree:kv_cache_usage_perc{{model_name="{MODEL}"}}' in text
     assert "# TYPE stallfree:time_to_first_token_seconds histogram" in text
+
+
+def test_cached_prompt_tokens_in_usage_metrics_and_reset(server, client):
+    """A repeated prompt reuses whole 16-token blocks of KV, less one token; both endpoints
+    and the stream's usage chunk report it; /reset_prefix_cache forgets it."""
+    long = " ".join(f"item {i} is {['red', 'green', 'blue'][i % 3]}" for i in range(30))
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": long}).json()["tokens"]
+    assert httpx.post(server.url + "/reset_prefix_cache").json()["status"] == "ok"
+    before = _settle(server)
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, **GREEDY)
+    second = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, **GREEDY)
+    assert first.choices[0].text == second.choices[0].text
+    hit = (len(ids) - 1) // 16 * 16
+    assert [u.prompt_tokens_details.cached_tokens for u in (first.usage, second.usage)] == [0, hit]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == hit
+    msgs = [{"role": "user", "content": long}]
+    chat = [client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, **GREEDY)
+            for _ in range(2)]
+    chat_hit = (chat[0].usage.prompt_tokens - 1) // 16 * 16
+    assert [c.usage.prompt_tokens_details.cached_tokens for c in chat] == [0, chat_hit]
+    after = _settle(server)
+    assert after["stallfree:prefix_cache_hits_total"] - before[
+        "stallfree:prefix_cache_hits_total"] == 2 * hit + chat_hit
+    assert after["stallfree:prefix_cache_queries_total"] - before[
+        "stallfree:prefix_cache_queries_total"] == 3 * len(ids) + 2 * chat[0].usage.prompt_tokens
+    reset = httpx.post(server.url + "/reset_prefix_cache").json()
+    assert reset["num_cached_blocks"] >= hit // 16
+    third = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, **GREEDY)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_openapi_schema_documents_400(server):

@@ -40,8 +40,9 @@ def _is_error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
-def test_api_key_guards_every_v1_route(serve):
-    server = serve(FakeEngine(), api_key="sekret")
+def test_api_key_guards_every_v1_route_and_the_admin_routes(serve):
+    engine = FakeEngine()
+    server = serve(engine, api_key="sekret")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=server.url, timeout=10) as c:
         _is_error(c.post("/v1/completions", json=body), 401)
@@ -49,7 +50,12 @@ def test_api_key_guards_every_v1_route(serve):
                          headers={"Authorization": "Bearer wrong"}), 401)
         _is_error(c.get("/v1/models"), 401)
         _is_error(c.post("/v1/chat/completions", content=b"{not json"), 401)  # auth comes first
+        _is_error(c.post("/reset_prefix_cache"), 401)
+        assert getattr(engine, "prefix_cache_resets", 0) == 0
         ok = {"Authorization": "Bearer sekret"}
+        r = c.post("/reset_prefix_cache", headers=ok)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "num_cached_blocks": 3}
+        assert engine.prefix_cache_resets == 1
         r = c.post("/v1/completions", json=body, headers=ok)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xx"
         assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == MODEL
@@ -163,7 +169,8 @@ def test_n_and_multiple_prompts_are_indexed_like_openai(serve):
         body = r.json()
         assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
         assert [ch["text"] for ch in body["choices"]] == ["abxx", "abxx", "cdexx", "cdexx"]
-        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         lines = []
         with c.stream("POST", "/v1/completions", json={
                 "prompt": [[97, 98], [99]], "n": 2, "max_tokens": 2, "stream": True,

@@ -24,8 +24,10 @@ def shapes(out):
     return [(c.request_id, c.start, c.num_tokens) for c in out.chunks]
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca"])
-def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
+@pytest.mark.parametrize("policy, shared", [("sarathi", 0), ("vllm", 0), ("orca", 0),
+                                            ("sarathi", 24), ("vllm", 24)])
+def test_simulator_matches_the_engine(default_llm, monkeypatch, policy, shared):
+    """With `shared`, every prompt starts with the same tokens: the prefix cache hits alike."""
     engine = default_llm.engine
     saved = engine.config.scheduler, engine.config.cache
     block_size, num_blocks = 4, 48
@@ -47,7 +49,8 @@ def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
     monkeypatch.setattr(engine.executor.runner, "execute", execute)
     specs = build_workload(WorkloadConfig(dataset="random", num_prompts=24, request_rate=25.0,
                                           seed=7, random_input_len=20, random_output_len=10,
-                                          random_range_ratio=0.8, burstiness=0.5))
+                                          random_range_ratio=0.8, burstiness=0.5,
+                                          shared_prefix_len=shared))
     try:
         pending, token_times = list(specs), {}
         while pending or engine.has_unfinished_requests():
@@ -69,5 +72,7 @@ def test_simulator_matches_the_engine(default_llm, monkeypatch, policy):
     res = simulate(specs, SimConfig(sched, num_blocks, block_size, 0.0, keep_outputs=True),
                    cost)
     assert [shapes(o) for o in res.outputs] == [shapes(o) for o in engine_outputs]
+    cached = [res.requests[s.index].num_cached_tokens for s in specs]
+    assert (sum(cached) > 0) == bool(shared)
     for s in specs:
         assert res.requests[s.index].token_times == pytest.approx(token_times[str(s.index)])

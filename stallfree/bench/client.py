@@ -25,6 +25,12 @@ Times are `time.perf_counter()` seconds relative to the start of the run.
 The run is bounded in count (the workload) and in time (`max_duration`):
 requests not sent by then are failed as "not sent", requests still streaming
 are cancelled and failed, keeping what they received.
+
+A conversation (`RequestSpec.follows`) is one task: each turn is sent its think
+time after the previous one's last token; a turn that fails ends its
+conversation (the later turns fail as "previous turn failed"). The prompt
+tokens the server found in its prefix cache come from the final usage
+(`prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report them).
 """
 from __future__ import annotations
 
@@ -93,6 +99,9 @@ class ResponseStream:
         reported = usage.get("completion_tokens") if usage else None
         if usage and usage.get("prompt_tokens") is not None:
             r.usage_prompt_tokens = int(usage["prompt_tokens"])
+        details = usage.get("prompt_tokens_details") if usage else None
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            r.usage_cached_tokens = int(details["cached_tokens"])
         if reported is None and self.cum_usage is not None:
             reported = self.cum_usage
         if self.ambiguous_time is not None and reported == counted + 1:
@@ -166,11 +175,51 @@ async def _one(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, 
             else str(exc)
 
 
+async def _conversation(client: httpx.AsyncClient, first: RequestSpec,
+                        next_turn: dict[int, RequestSpec], cfg: ClientConfig, t0: float,
+                        results: dict[int, RequestResult], slots: asyncio.Semaphore | None,
+                        done: Any) -> None:
+    """Sends `first`, then each later turn its think time after the previous one ended."""
+    spec: RequestSpec | None = first
+    while spec is not None:
+        result = results[spec.index]
+        await _one(client, spec, cfg, t0, result, slots)
+        done()
+        nxt = next_turn.get(spec.index)
+        if nxt is None:
+            return
+        late = "not sent before the time limit"
+        reason = None
+        if result.error == "cancelled at the time limit":
+            reason = late
+        elif not result.success:
+            reason = "previous turn failed"
+        else:
+            try:
+                await asyncio.sleep(nxt.think_time)
+            except asyncio.CancelledError:  # the run's time is up
+                reason = late
+            due = time.perf_counter() - t0
+            results[nxt.index].scheduled_time = due
+            if cfg.max_duration is not None and due >= cfg.max_duration:
+                reason = late
+        if reason is not None:
+            while nxt is not None:
+                results[nxt.index].error = reason
+                done()
+                nxt = next_turn.get(nxt.index)
+        spec = nxt
+
+
 async def run_async(specs: list[RequestSpec], cfg: ClientConfig) -> RunResult:
-    """Sends every request at its arrival time and waits for all (within max_duration)."""
+    """Sends every request at its arrival time (a later turn of a conversation, its think
+    time after the previous turn) and waits for all (within max_duration)."""
     from tqdm import tqdm
 
-    results = [RequestResult(s.index, s.prompt_len, s.output_len, s.arrival) for s in specs]
+    results = [RequestResult(s.index, s.prompt_len, s.output_len, s.arrival, turn=s.turn)
+               for s in specs]
+    by_index = {r.index: r for r in results}
+    next_turn = {s.follows: s for s in specs if s.follows is not None}
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -181,17 +230,21 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig) -> RunResult:
     tasks: list[asyncio.Task] = []
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=cfg.request_timeout,
                                  trust_env=False) as client:
-        for spec, result in zip(specs, results):
+        for spec in specs:
+            if spec.follows is not None:
+                continue  # sent by its conversation's task
             if deadline is not None and spec.arrival >= deadline:
-                result.error = "not sent before the time limit"
-                bar.update(1)
+                turn: RequestSpec | None = spec
+                while turn is not None:
+                    by_index[turn.index].error = "not sent before the time limit"
+                    bar.update(1)
+                    turn = next_turn.get(turn.index)
                 continue
             delay = spec.arrival - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_one(client, spec, cfg, t0, result, slots))
-            task.add_done_callback(lambda _: bar.update(1))
-            tasks.append(task)
+            tasks.append(asyncio.create_task(_conversation(
+                client, spec, next_turn, cfg, t0, by_index, slots, lambda: bar.update(1))))
         if tasks:
             left = None if deadline is None else max(0.0, deadline - (time.perf_counter() - t0))
             _, pending = await asyncio.wait(tasks, timeout=left)

@@ -25,6 +25,8 @@ class RequestResult:
     token_count_exact: bool = True
     scheduling_delay: float | None = None  # seconds, when the server reports it
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # prompt tokens the server had in its prefix cache
+    turn: int = 0  # of its conversation (0: the first, or a single request)
 
     @property
     def token_times(self) -> list[float]:

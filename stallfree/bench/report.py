@@ -16,6 +16,12 @@ Keys that mean what vLLM's mean carry vLLM's names (`completed`, `failed`,
   client.py); the server's queue-time histogram is added by the caller.
 - Goodput: requests per second that met every given SLO (vLLM's `--goodput`
   keys ttft, tpot, e2el in ms, plus `tbt`: every TBT gap of the request).
+- Follow-up TTFT (`followup_ttft`): TTFT of the turns after the first of
+  multi-turn conversations, the ones a prefix cache speeds up.
+- Prefix cache: from each response's `usage.prompt_tokens_details.cached_tokens`
+  (null when the server does not report it), the share of prompt tokens served
+  from the cache (`prefix_cache_hit_rate`) and the prompt tokens computed per
+  request (`mean_computed_prompt_tokens`).
 
 Statistics are over successful requests; percentiles are numpy's linear
 interpolation (as vLLM's). Statistics of an empty set are null in JSON. The run's
@@ -141,12 +147,30 @@ def compute_report(run: RunResult, slos: SLOs | None = None,
         rep["goodput_slos_ms"] = slos.as_dict()
         rep["good_requests"] = good
         rep["request_goodput"] = good / dur
+    rep |= _repeat_stats(run.results, ok, percentiles)
     rep["token_count_inexact_requests"] = sum(1 for r in ok if not r.token_count_exact)
     rep["output_len_mismatch_requests"] = sum(1 for r in ok
                                               if r.output_len != r.expected_output_len)
     rep["error_counts"] = dict(Counter(r.error or "unknown" for r in failed))
     if detail:
         rep |= per_request_detail(run.results)
+    return rep
+
+
+def _repeat_stats(results: Sequence[RequestResult], ok: Sequence[RequestResult],
+                  percentiles: Sequence[float]) -> dict[str, Any]:
+    """Follow-up turns' TTFT (multi-turn workloads only) and the prefix cache's share."""
+    rep: dict[str, Any] = {}
+    if any(r.turn for r in results):
+        followups = [r.ttft for r in ok if r.turn and r.ttft is not None]
+        rep["num_followup_turns"] = len(followups)
+        rep |= _stats("followup_ttft", followups, percentiles)
+    known = [r for r in ok if r.usage_cached_tokens is not None and r.usage_prompt_tokens]
+    prompt = sum(r.usage_prompt_tokens for r in known)
+    cached = sum(r.usage_cached_tokens for r in known)
+    rep["prefix_cache_hit_rate"] = cached / prompt if known else None
+    rep["mean_cached_prompt_tokens"] = cached / len(known) if known else None
+    rep["mean_computed_prompt_tokens"] = (prompt - cached) / len(known) if known else None
     return rep
 
 
@@ -165,6 +189,8 @@ def per_request_detail(results: Sequence[RequestResult]) -> dict[str, Any]:
         "send_times": [None if r.send_time is None else round(r.send_time, 6) for r in results],
         "token_times": [_r6(r.token_times) for r in results],
         "success": [r.success for r in results],
+        "turns": [r.turn for r in results],
+        "cached_tokens": [r.usage_cached_tokens for r in results],
     }
 
 
@@ -184,6 +210,7 @@ def report_header(cfg: BenchConfig, specs: list[RequestSpec], start_unix: float,
         "num_prompts": w.num_prompts, "request_rate": _rate_json(w.request_rate),
         "burstiness": w.burstiness, "max_concurrency": c.max_concurrency, "seed": w.seed,
         "length_scale": w.length_scale, "max_model_len": w.max_model_len,
+        "shared_prefix_len": w.shared_prefix_len, "turns": w.turns, "think_time": w.think_time,
         "ignore_eos": c.ignore_eos, "max_duration": c.max_duration, "workload": describe(specs),
     }
 
@@ -207,6 +234,7 @@ def save_json(path: str, obj: Any) -> None:
 
 # ---- printing ------------------------------------------------------------------------
 _SECTIONS = (("ttft", "TTFT", "Time to First Token"),
+             ("followup_ttft", "follow-up TTFT", "TTFT of Turns After the First"),
              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
              ("itl", "ITL", "Inter-token Latency"),
              ("e2el", "E2EL", "End-to-end Latency"),
@@ -240,7 +268,7 @@ def format_report(rep: dict[str, Any], percentiles: Sequence[float] = PERCENTILE
               _line("Peak concurrent requests:", rep["max_concurrent_requests"]),
               _line("Total Token throughput (tok/s):", rep["total_token_throughput"])]
     for key, name, header in _SECTIONS:
-        if rep.get(f"mean_{key}_ms") is None and key == "sched_delay":
+        if rep.get(f"mean_{key}_ms") is None and key in ("sched_delay", "followup_ttft"):
             continue
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
         lines.append(_line(f"Mean {name} (ms):", rep.get(f"mean_{key}_ms")))
@@ -254,6 +282,10 @@ def format_report(rep: dict[str, Any], percentiles: Sequence[float] = PERCENTILE
             if rep.get("num_tbt_gaps_over_slo") is not None:
                 lines.append(_line(f"Gaps over {rep['tbt_slo_ms']:g} ms:",
                                    rep["num_tbt_gaps_over_slo"]))
+    if rep.get("prefix_cache_hit_rate") is not None:
+        lines.append("{s:{c}^{n}}".format(s="Prefix cache (usage)", n=50, c="-"))
+        lines.append(_line("Prefix cache hit rate (%):", 100.0 * rep["prefix_cache_hit_rate"]))
+        lines.append(_line("Mean prompt tokens computed:", rep["mean_computed_prompt_tokens"]))
     queue = rep.get("server_queue_time")
     if queue and queue.get("count"):
         lines.append("{s:{c}^{n}}".format(s="Server queue time (/metrics)", n=50, c="-"))

@@ -6,7 +6,12 @@ for. Prompts are random token ids of exactly the wanted length, so that
 
 - the prompt length is the same on every server whatever its tokenizer, and
 - no two prompts share a prefix: servers with prefix caching (vLLM, ours)
-  get no cache hits that would flatter their prefill figures.
+  get no cache hits that would flatter their prefill figures,
+
+unless the workload repeats on purpose: `shared_prefix_len` starts every prompt
+with one system prompt, and `turns` > 1 makes conversations whose later turns
+resend the history (`conversations.py`), sent a think time after the previous
+turn's reply.
 
 Three seeded random streams are kept apart on purpose: which trace rows are
 used (lengths), when requests arrive, and which token ids fill the prompts.
@@ -26,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import option
+from .conversations import conversations
 
 TRACE_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
 
@@ -45,16 +51,21 @@ DEFAULT_VOCAB_SIZE = 49152
 DEFAULT_MIN_TOKEN_ID = 100
 
 # Separate seed streams (see the module docstring).
-_LENGTHS, _ARRIVALS, _TOKENS = 0, 1, 2
+_LENGTHS, _ARRIVALS, _TOKENS, _THINK = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class RequestSpec:
     index: int
-    arrival: float  # seconds after the benchmark starts
+    # Seconds after the benchmark starts; for a later turn of a conversation, the
+    # conversation's start (it is sent `think_time` after the turn it follows ends).
+    arrival: float
     prompt_len: int
     output_len: int  # sent as max_tokens, with ignore_eos
     prompt_token_ids: list[int] = field(repr=False, compare=False)
+    turn: int = 0  # 0 for the first turn of a conversation (and every single request)
+    follows: int | None = None  # index of the previous turn of its conversation
+    think_time: float = 0.0  # seconds from that turn's last token to sending this one
 
 
 @dataclass
@@ -79,6 +90,13 @@ class WorkloadConfig:
     vocab_size: int = option(DEFAULT_VOCAB_SIZE,
                              "prompt token ids are drawn below this (default: SmolLM2's)")
     min_token_id: int = option(DEFAULT_MIN_TOKEN_ID, "prompt token ids are drawn from this up")
+    shared_prefix_len: int = option(
+        0, "tokens of one system prompt every prompt starts with (prefix caching)")
+    turns: int = option(
+        1, "turns per conversation: each later turn resends the previous prompt and reply plus "
+           "a new message of the trace's lengths; the request rate is then conversations/s")
+    think_time: float = option(
+        5.0, "mean seconds (exponential) from a reply to the next turn of its conversation")
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS and self.dataset_path is None:
@@ -100,6 +118,15 @@ class WorkloadConfig:
         if not 0 <= self.min_token_id < self.vocab_size:
             raise ValueError(f"need 0 <= min_token_id < vocab_size, got {self.min_token_id} "
                              f"and {self.vocab_size}")
+        if self.shared_prefix_len < 0:
+            raise ValueError(f"shared_prefix_len must be >= 0, got {self.shared_prefix_len}")
+        if self.max_model_len is not None and self.max_model_len - self.shared_prefix_len < 2:
+            raise ValueError(f"max_model_len {self.max_model_len} leaves no room after the "
+                             f"shared prefix of {self.shared_prefix_len} tokens")
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if not self.think_time >= 0:
+            raise ValueError(f"think_time must be >= 0, got {self.think_time}")
 
 
 # ---- lengths -------------------------------------------------------------------
@@ -178,8 +205,9 @@ def workload_lengths(cfg: WorkloadConfig) -> list[tuple[int, int]]:
     else:
         path = cfg.dataset_path or trace_path(cfg.dataset)
         raw = sample_trace(load_trace(path), cfg.num_prompts, rng)
-    return [cap_lengths(*scale_lengths(p, d, cfg.length_scale), cfg.max_model_len)
-            for p, d in raw]
+    # A shared prefix comes on top of each prompt: the cap leaves room for it.
+    cap = None if cfg.max_model_len is None else cfg.max_model_len - cfg.shared_prefix_len
+    return [cap_lengths(*scale_lengths(p, d, cfg.length_scale), cap) for p, d in raw]
 
 
 # ---- arrivals --------------------------------------------------------------------
@@ -211,20 +239,49 @@ def random_prompt(length: int, rng: np.random.Generator, vocab_size: int,
     return rng.integers(min_token_id, vocab_size, size=length).tolist()
 
 
+def think_times(n: int, mean: float, seed: int) -> list[float]:
+    """Seconds a user takes before each next turn: exponential with the given mean."""
+    rng = np.random.default_rng([seed, _THINK])
+    return rng.exponential(mean, size=n).tolist() if mean > 0 else [0.0] * n
+
+
 def build_workload(cfg: WorkloadConfig, token_salt: int = 0) -> list[RequestSpec]:
-    """The requests of one run; `token_salt` changes only the prompt ids (see module doc)."""
+    """The requests of one run; `token_salt` changes only the prompt ids (see module doc),
+    the shared prefix included, so one trial never warms the cache for the next."""
     lengths = workload_lengths(cfg)
-    arrivals = arrival_times(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
     rng = np.random.default_rng([cfg.seed, _TOKENS, token_salt])
-    return [RequestSpec(i, t, p, d, random_prompt(p, rng, cfg.vocab_size, cfg.min_token_id))
-            for i, (t, (p, d)) in enumerate(zip(arrivals, lengths))]
+
+    def draw(n: int) -> list[int]:
+        return random_prompt(n, rng, cfg.vocab_size, cfg.min_token_id) if n else []
+
+    shared = draw(cfg.shared_prefix_len)
+    if cfg.turns == 1:
+        arrivals = arrival_times(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
+        return [RequestSpec(i, t, len(shared) + p, d, shared + draw(p))
+                for i, (t, (p, d)) in enumerate(zip(arrivals, lengths))]
+    sessions = conversations(lengths, cfg.turns, shared, draw, cfg.max_model_len)
+    starts = arrival_times(len(sessions), cfg.request_rate, cfg.burstiness, cfg.seed)
+    thinks = think_times(len(lengths), cfg.think_time, cfg.seed)
+    specs: list[RequestSpec] = []
+    for start, session in zip(starts, sessions):
+        previous = None
+        for turn, (prompt, output_len) in enumerate(session):
+            index = len(specs)
+            specs.append(RequestSpec(index, start, len(prompt), output_len, prompt, turn,
+                                     previous, thinks[index] if turn else 0.0))
+            previous = index
+    return specs
 
 
 def describe(specs: list[RequestSpec]) -> dict[str, float]:
     """Summary of a workload's lengths, for the result file."""
     p = np.array([s.prompt_len for s in specs])
     d = np.array([s.output_len for s in specs])
-    return {"num_requests": len(specs), "mean_prompt_len": float(p.mean()),
-            "median_prompt_len": float(np.median(p)), "max_prompt_len": int(p.max()),
-            "mean_output_len": float(d.mean()), "median_output_len": float(np.median(d)),
-            "max_output_len": int(d.max())}
+    out = {"num_requests": len(specs), "mean_prompt_len": float(p.mean()),
+           "median_prompt_len": float(np.median(p)), "max_prompt_len": int(p.max()),
+           "mean_output_len": float(d.mean()), "median_output_len": float(np.median(d)),
+           "max_output_len": int(d.max())}
+    if any(s.turn for s in specs):
+        out["num_conversations"] = sum(1 for s in specs if s.follows is None)
+        out["max_turns"] = 1 + max(s.turn for s in specs)
+    return out

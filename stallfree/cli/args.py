@@ -65,8 +65,10 @@ def _value_type(f: dataclasses.Field, default: Any) -> Callable[[str], Any]:
 def add_setting_args(parser: Any, fields: list[dataclasses.Field]) -> None:
     """One flag per config field, with the field's default, help, choices and parser.
 
-    A bool field is a switch that flips its default (`--roofline`, `--no-detail`);
-    `nargs` and `metavar` in a field's metadata are passed on to argparse.
+    A bool field is a switch that flips its default (`--roofline`, `--no-detail`), or,
+    when it defaults to True under a positive name, a pair (`--enable-prefix-caching` /
+    `--no-enable-prefix-caching`); `nargs` and `metavar` in a field's metadata are passed
+    on to argparse.
     """
     for f in fields:
         meta = f.metadata
@@ -74,8 +76,12 @@ def add_setting_args(parser: Any, fields: list[dataclasses.Field]) -> None:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         help_text = meta["help"].replace("%", "%%")
         if str(f.type) == "bool":
+            if default and not flags[0].startswith("--no-"):
+                action: Any = argparse.BooleanOptionalAction
+            else:
+                action = "store_false" if default else "store_true"
             parser.add_argument(*flags, dest=f.name, default=default, help=help_text,
-                                action="store_false" if default else "store_true")
+                                action=action)
             continue
         parser.add_argument(*flags, dest=f.name, default=default,
                             type=flag_type(_value_type(f, default)), choices=meta["choices"],

@@ -10,6 +10,7 @@ recompute, stop conditions, timestamps) lives here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -17,6 +18,8 @@ from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 from .kv_cache import BlockManager
 from .output import ScheduledChunk, SchedulerOutput
+from .prefix_cache import PrefixHit
+from .siblings import HeldSiblings
 
 
 @dataclass
@@ -77,9 +80,43 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._busy: frozenset[str] = frozenset()  # in flight in a pipeline: not schedulable
+        self._held = HeldSiblings()  # n > 1: siblings waiting for their leader's prompt KV
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._check_new(request)
+        self.waiting.append(request)
+        self._requests[request.request_id] = request
+
+    def add_group(self, requests: Sequence[Request]) -> None:
+        """The n sequences of one prompt (all or none are added).
+
+        With prefix caching, the first computes the prompt and the others are held
+        back until its full blocks are cached; then they join the front of the queue
+        and share those blocks, so the prompt is prefilled once.
+        """
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids repeat within the group: {ids}")
+        for request in requests:
+            self._check_new(request)
+        leader, *others = requests
+        self.add_request(leader)
+        bm = self.block_manager
+        if others and bm.enable_caching and leader.num_prompt_tokens > bm.block_size:
+            self._held.hold(leader, others)
+            self._requests.update((r.request_id, r) for r in others)
+        else:
+            for request in others:
+                self.add_request(request)
+
+    def _release_held(self, leader: Request) -> None:
+        # The front of the queue: they arrived with a request already admitted.
+        released = self._held.release(leader, self.block_manager.block_size)
+        self.waiting.extendleft(reversed(released))
+
+    def _check_new(self, request: Request) -> None:
+        """Raises ValueError unless the request can be added."""
         rid = request.request_id
         # The one check of a prompt's length, for the engine and the simulator alike.
         if request.num_prompt_tokens == 0:
@@ -94,8 +131,6 @@ class Scheduler:
             raise ValueError(f"request {rid!r} is not new (status {request.status.value}, "
                              f"{request.num_computed_tokens} tokens computed)")
         self._check_fits(request)
-        self.waiting.append(request)
-        self._requests[rid] = request
 
     def _check_fits(self, request: Request) -> None:
         """Rejects a request the cache could never carry to its end.
@@ -143,17 +178,18 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not self._held.discard(request):  # else a sibling held for its leader
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = status
+        self._release_held(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -211,13 +247,17 @@ class Scheduler:
                                  bm.block_table(request.request_id)))
         return True
 
-    def _try_admit(self, batch: Batch, num_tokens: int) -> bool:
-        """Moves the head of the waiting queue to running with a first chunk, if it fits."""
+    def _try_admit(self, batch: Batch, num_tokens: int, hit: PrefixHit) -> bool:
+        """Moves the head of the waiting queue to running with a first chunk of `num_tokens`
+        after its cached prefix `hit`, if it fits. Cached tokens cost no budget."""
         request = self.waiting[0]
-        if num_tokens > batch.budget_left or not self._can_admit(request, num_tokens):
+        if num_tokens > batch.budget_left or not self._can_admit(request, num_tokens, hit):
             return False
         self.waiting.popleft()
-        self.block_manager.allocate(request, num_tokens)
+        self.block_manager.allocate(request, num_tokens, hit)
+        request.num_computed_tokens = hit.num_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
@@ -233,7 +273,9 @@ class Scheduler:
             return
         while self.waiting and batch.budget_left > 0:
             head = self.waiting[0]
-            if not self._try_admit(batch, min(head.num_tokens_to_compute, batch.budget_left)):
+            hit = self.block_manager.find_cached_prefix(head)
+            num_tokens = min(head.num_tokens - hit.num_tokens, batch.budget_left)
+            if not self._try_admit(batch, num_tokens, hit):
                 return  # no skipping: a large request at the head must not starve
 
     def _try_admit_whole(self, batch: Batch) -> bool:
@@ -244,23 +286,28 @@ class Scheduler:
         that it cannot starve.
         """
         request = self.waiting[0]
-        num_tokens = request.num_tokens_to_compute
+        hit = self.block_manager.find_cached_prefix(request)
+        num_tokens = request.num_tokens - hit.num_tokens
         if (num_tokens > self.config.token_budget and not batch.has_prefill
-                and self._can_admit(request, num_tokens)):
+                and self._can_admit(request, num_tokens, hit)):
             batch.stretch(num_tokens)
-        return self._try_admit(batch, num_tokens)
+        return self._try_admit(batch, num_tokens, hit)
 
-    def _can_admit(self, request: Request, num_tokens: int) -> bool:
+    def _can_admit(self, request: Request, num_tokens: int, hit: PrefixHit) -> bool:
         """Limits on admission other than the token budget; policies may add their own."""
         # Capping running requests at the budget too keeps a decode of every
         # one of them within one iteration, whatever the policy.
         if len(self.running) >= min(self.config.max_num_seqs, self.config.token_budget):
             return False
-        # The watermark leaves running requests room to grow before preempting.
-        return self.block_manager.can_allocate(request, num_tokens, use_watermark=True)
+        # The watermark leaves running requests room to grow before preempting. With none
+        # running it protects nobody, and a cached prefix shared from evictable blocks could
+        # need more than the cache less the watermark: waiving it then keeps admission live.
+        return self.block_manager.can_allocate(request, num_tokens,
+                                               use_watermark=bool(self.running), hit=hit)
 
     def _preempt(self, batch: Batch, request: Request) -> None:
-        """Preemption by recompute: drop the KV cache, requeue at the front, keep outputs."""
+        """Preemption by recompute: drop the KV cache, requeue at the front, keep outputs.
+        Its cached blocks stay cached, so with prefix caching the recompute mostly hits."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -286,6 +333,9 @@ class Scheduler:
                                    f"{request.num_computed_tokens} computed tokens, the chunk "
                                    f"starts at {chunk.start}: was this output applied twice?")
             request.num_computed_tokens += chunk.num_tokens
+            # Its KV is written now (the iteration completed): full blocks can be shared.
+            self.block_manager.cache_computed_blocks(request)
+            self._release_held(request)
             if not chunk.samples:
                 continue
             if request.request_id not in sampled:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..request import Request, RequestStatus
 from .base import Batch, Scheduler
+from .prefix_cache import PrefixHit
 
 
 class OrcaScheduler(Scheduler):
@@ -33,13 +34,13 @@ class OrcaScheduler(Scheduler):
         return min(bm.num_blocks_for(self.config.max_model_len),
                    bm.num_total_blocks - bm.num_watermark_blocks)
 
-    def _can_admit(self, request: Request, num_tokens: int) -> bool:
+    def _can_admit(self, request: Request, num_tokens: int, hit: PrefixHit) -> bool:
         # Every running request holds at most its reservation, so this bound
         # keeps all of them able to grow to max_model_len with no preemption.
         bm = self.block_manager
         reserved = (len(self.running) + 1) * self.reservation_blocks
         return (reserved <= bm.num_total_blocks - bm.num_watermark_blocks
-                and super()._can_admit(request, num_tokens))
+                and super()._can_admit(request, num_tokens, hit))
 
     def _schedule(self, batch: Batch) -> None:
         # (1) Every running decode, one token each.

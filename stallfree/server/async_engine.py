@@ -4,7 +4,8 @@
 it takes commands (add, abort, call) from a thread-safe queue between
 iterations, runs `engine.step()` while anything is unfinished, and hands each
 request's deltas to that request's asyncio queue with
-`loop.call_soon_threadsafe`. The HTTP event loop never touches the engine, and
+`loop.call_soon_threadsafe`. The HTTP event loop never touches the engine (`call`
+runs a function on the engine thread, e.g. to reset the prefix cache), and
 a slow client never slows the batch: its deltas just pile up in its own queue.
 
 Failure rules: a request the engine refuses (ValueError) fails alone; a full
@@ -19,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
 
@@ -120,6 +122,14 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._put(("add", request_id, prompt, params, loop, out, fut, arrival))
         await fut
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between iterations; its result (or error).
+        Raises EngineDeadError if the engine has stopped."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._put(("call", fn, loop, fut))
+        return await fut
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV blocks (a no-op once it finished)."""
@@ -196,6 +206,14 @@ class AsyncEngine:
             if self._tracked.pop(rid, None) is not None:
                 engine.abort_request(rid)
                 self.metrics.aborted.inc()
+        elif kind == "call":
+            _, fn, loop, fut = command
+            try:
+                result = fn(engine)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                _reply(loop, fut, error=exc)
+            else:
+                _reply(loop, fut, result)
         elif kind == "stop":
             self._stopping = True
 
@@ -245,6 +263,15 @@ class AsyncEngine:
         metrics.kv_usage.set(stats.kv_usage)
         metrics.kv_free_blocks.set(stats.num_free_blocks)
         metrics.kv_total_blocks.set(stats.num_total_blocks)
+        # The engine's counts are cumulative since its cache was made (reconfigure restarts
+        # them): count what is new.
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        seen_queries, seen_hits = self._prefix_seen
+        if queries < seen_queries or hits < seen_hits:
+            seen_queries = seen_hits = 0
+        metrics.prefix_cache_queries.inc(queries - seen_queries)
+        metrics.prefix_cache_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         with self._lock:
@@ -266,6 +293,8 @@ class AsyncEngine:
                 break
             if command[0] == "add":
                 _reply(command[4], command[6], error=error)
+            elif command[0] == "call":
+                _reply(command[2], command[3], error=error)
         try:
             self._update_gauges()
         except Exception:  # noqa: BLE001

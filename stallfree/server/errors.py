@@ -136,16 +136,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 
+# Routes outside /v1 that change the server's state, guarded like /v1 (vLLM's admin routes).
+ADMIN_PATHS = ("/reset_prefix_cache",)
+
+
 class APIKeyMiddleware:
-    """Every /v1 route requires `Authorization: Bearer KEY` (checked before anything else)."""
+    """Every /v1 route and every admin route requires `Authorization: Bearer KEY` (checked
+    before anything else)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
-                scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+                path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
                 response = error_response(401, "invalid or missing API key: send "

@@ -67,6 +67,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (once per prompt).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (by recompute).")
+        # vLLM v1's prefix cache counters: tokens needed at admissions, and found cached.
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._success = Counter("stallfree:request_success",
                                 "Sequences that finished, by finish reason.",
                                 labels + ["finished_reason"], registry=registry)

@@ -67,11 +67,14 @@ async def unless_disconnected(raw: Request, coro: Any) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def usage_of(finals: list[RequestOutput]) -> dict[str, int]:
+def usage_of(finals: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    # As OpenAI reports it: the prompt tokens served from the prefix cache.
+    cached = sum(f.num_cached_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse_response(gen: Any, preamble: list[dict], to_chunk: Callable[[int, StepOutput], dict],

@@ -44,6 +44,9 @@ class Deployment:
     block_size: int = option(CacheConfig.block_size, "tokens per KV block")
     watermark: float = option(CacheConfig.watermark,
                               "fraction of KV blocks kept free when admitting")
+    enable_prefix_caching: bool = option(
+        CacheConfig.enable_prefix_caching, "share the KV of repeated prefixes, as the engine "
+        "does (on by default)", flags=("--enable-prefix-caching",))
     gpu_memory_utilization: float = option(0.9, "share of GPU memory the engine may use")
     kv_cache_memory: int | None = option(
         None, "KV cache bytes per rank, e.g. 1GiB (default: from GPU memory)", parse=parse_size)
@@ -102,7 +105,8 @@ def run_simulated_benchmark(cfg: BenchConfig, sched: SchedulerConfig, deployment
     cost = cost or deployment.cost_model()
     specs = build_workload(cfg.workload, token_salt)
     sim_cfg = SimConfig(sched, deployment.num_blocks(sched), deployment.block_size,
-                        deployment.watermark, cfg.client.max_duration)
+                        deployment.watermark, cfg.client.max_duration,
+                        enable_prefix_caching=deployment.enable_prefix_caching)
     wall = time.perf_counter()
     result = simulate(specs, sim_cfg, cost)
     report = report_header(cfg, specs, time.time(), backend="simulator")

@@ -15,6 +15,11 @@ stage. Requests in flight are passed to `schedule` as `busy`, exactly as the
 engine does under PP: they are neither scheduled again nor preempted until
 their micro-batch returns, and they keep their KV blocks and still count
 against max_num_seqs. Uneven micro-batches leave stages idle: bubbles.
+
+The block manager is the engine's, prefix cache included (`enable_prefix_caching`):
+repeated prefixes (a shared system prompt, the turns of a conversation) hit as they
+would in the engine, and the cached tokens cost no budget. A later turn of a
+conversation arrives its think time after the previous turn's last token.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class SimConfig:
     watermark: float = 0.01
     max_duration: float | None = None  # virtual seconds; later requests fail like the client's
     keep_outputs: bool = False  # keep every SchedulerOutput (tests compare decisions)
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -118,10 +124,12 @@ class SimResult:
         }
 
 
-def make_request(spec: RequestSpec) -> Request:
-    """The request the server would build from the client's body (max_tokens, ignore_eos)."""
+def make_request(spec: RequestSpec, arrival: float | None = None) -> Request:
+    """The request the server would build from the client's body (max_tokens, ignore_eos),
+    arriving at `arrival` (default: the spec's)."""
     params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
-    return Request(str(spec.index), spec.prompt_token_ids, params, spec.arrival)
+    return Request(str(spec.index), spec.prompt_token_ids, params,
+                   spec.arrival if arrival is None else arrival)
 
 
 class Simulator:
@@ -129,7 +137,8 @@ class Simulator:
         self.config = config
         self.cost = cost
         self.pp = cost.pp
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark,
+                                          config.enable_prefix_caching)
         self.scheduler: Scheduler = make_scheduler(config.scheduler, self.block_manager)
         self.now = 0.0
         self.iterations: list[Iteration] = []
@@ -138,6 +147,9 @@ class Simulator:
         self._inflight: list[_InFlight] = []  # heap by completion time
         self._where: dict[str, _InFlight] = {}  # request id -> its micro-batch in flight
         self._seq = itertools.count()
+        self._arrivals: list[tuple[float, int, RequestSpec]] = []  # heap: (due, index, spec)
+        self._next_turn: dict[int, RequestSpec] = {}
+        self._errors: dict[int, str] = {}
 
     def _launch(self, out: SchedulerOutput) -> None:
         cost = self.cost.iteration(BatchShape.from_output(out))
@@ -163,29 +175,43 @@ class Simulator:
         for c in job.output.chunks:
             del self._where[c.request_id]
         sampled = {c.request_id: FAKE_TOKEN for c in job.output.chunks if c.samples}
-        self.scheduler.update(job.output, sampled, job.end)
+        for request in self.scheduler.update(job.output, sampled, job.end):
+            nxt = self._next_turn.get(int(request.request_id))
+            if nxt is not None:  # the conversation's next turn, after its think time
+                heapq.heappush(self._arrivals, (job.end + nxt.think_time, nxt.index, nxt))
+
+    def _fail_rest(self, spec: RequestSpec, reason: str) -> None:
+        """The later turns of a conversation whose turn `spec` was not served."""
+        nxt = self._next_turn.get(spec.index)
+        while nxt is not None:
+            self._errors[nxt.index] = reason
+            nxt = self._next_turn.get(nxt.index)
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec]) -> SimResult:
-        specs = sorted(specs, key=lambda s: (s.arrival, s.index))
+        self._next_turn = {s.follows: s for s in specs if s.follows is not None}
+        self._arrivals = [(s.arrival, s.index, s) for s in specs if s.follows is None]
+        heapq.heapify(self._arrivals)
         requests: dict[int, Request | None] = {}
-        errors: dict[int, str] = {}
+        sent: dict[int, float] = {}  # when each request reached the server
+        errors = self._errors
         deadline = self.config.max_duration
-        i = 0
         while True:
             # Arrivals up to now join the queue (the server adds them between steps).
-            while i < len(specs) and specs[i].arrival <= self.now:
-                spec = specs[i]
-                i += 1
-                if deadline is not None and spec.arrival >= deadline:
+            while self._arrivals and self._arrivals[0][0] <= self.now:
+                due, _, spec = heapq.heappop(self._arrivals)
+                if deadline is not None and due >= deadline:
+                    self._fail_rest(spec, "not sent before the time limit")
                     continue
-                req = make_request(spec)
+                req = make_request(spec, due)
+                sent[spec.index] = due
                 try:
                     self.scheduler.add_request(req)
                     requests[spec.index] = req
                 except ValueError as err:  # the server answers 400 to such a request
                     requests[spec.index] = None
                     errors[spec.index] = f"HTTP 400: {err}"
+                    self._fail_rest(spec, "previous turn failed")
             if len(self._inflight) < self.pp and self._stage_free[0] <= self.now:
                 out = next_micro_batch(self.scheduler, self.now, self._where,
                                        len(self._inflight))
@@ -197,8 +223,8 @@ class Simulator:
                 events.append(self._inflight[0].end)
                 if len(self._inflight) < self.pp and self._stage_free[0] > self.now:
                     events.append(self._stage_free[0])
-            if i < len(specs):
-                events.append(specs[i].arrival)
+            if self._arrivals:
+                events.append(self._arrivals[0][0])
             if not events:
                 break
             nxt = min(events)
@@ -207,24 +233,28 @@ class Simulator:
             self.now = max(self.now, nxt)
             while self._inflight and self._inflight[0].end <= self.now:
                 self._complete(heapq.heappop(self._inflight))
-        return SimResult(_run_result(specs, requests, errors, deadline),
+        return SimResult(_run_result(specs, requests, sent, errors, deadline),
                          [requests.get(s.index) for s in sorted(specs, key=lambda s: s.index)],
                          self.iterations, self.config.num_blocks, self.pp, self.outputs)
 
 
 def _run_result(specs: list[RequestSpec], requests: dict[int, Request | None],
-                errors: dict[int, str], deadline: float | None) -> RunResult:
+                sent: dict[int, float], errors: dict[int, str],
+                deadline: float | None) -> RunResult:
     """The records the benchmark client would have made, for `bench.report.compute_report`."""
     results = []
     for spec in sorted(specs, key=lambda s: s.index):
-        r = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.arrival)
+        r = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.arrival,
+                          turn=spec.turn)
         req = requests.get(spec.index)
         if spec.index not in requests:
-            r.error = "not sent before the time limit"
+            r.error = errors.get(spec.index, "not sent before the time limit")
         elif req is None:
-            r.send_time, r.error = spec.arrival, errors[spec.index]
+            r.scheduled_time = r.send_time = sent[spec.index]
+            r.error = errors[spec.index]
         else:
-            r.send_time = spec.arrival
+            r.scheduled_time = r.send_time = sent[spec.index]
+            r.usage_cached_tokens = req.num_cached_tokens
             r.chunk_times = list(req.token_times)
             r.chunk_tokens = [1] * len(req.token_times)
             r.output_len = len(req.token_times)
