@@ -41,6 +41,9 @@ class Request:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # False while something the request needs before it can run is still being prepared
+    # (its grammar compiling, off the engine thread): the scheduler leaves it aside.
+    ready: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

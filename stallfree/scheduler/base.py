@@ -75,6 +75,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.unready: list[Request] = []  # not ready to run yet: join `waiting` once ready
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._busy: frozenset[str] = frozenset()  # in flight in a pipeline: not schedulable
 
@@ -94,7 +95,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} is not new (status {request.status.value}, "
                              f"{request.num_computed_tokens} tokens computed)")
         self._check_fits(request)
-        self.waiting.append(request)
+        (self.waiting if request.ready else self.unready).append(request)
         self._requests[rid] = request
 
     def _check_fits(self, request: Request) -> None:
@@ -143,13 +144,15 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.unready:
+            self.unready.remove(request)
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = status
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.unready)
 
     @property
     def num_waiting(self) -> int:
@@ -167,6 +170,7 @@ class Scheduler:
         # Admission only happens while budget is left after serving every
         # running request, so each running request can always get a token.
         assert len(self.running) <= self.config.token_budget, "more running requests than budget"
+        self._queue_ready()
         batch = Batch(self.config.token_budget)
         self._busy = busy
         try:
@@ -184,6 +188,13 @@ class Scheduler:
             assert batch.num_tokens <= self.config.token_budget
         assert len(self.running) <= self.config.max_num_seqs
         return SchedulerOutput(list(batch.chunks.values()), batch.preempted)
+
+    def _queue_ready(self) -> None:
+        """Requests that became ready join the waiting queue, behind those already there:
+        a request is skipped, never waited for, while it is not ready."""
+        if any(r.ready for r in self.unready):
+            self.waiting.extend(r for r in self.unready if r.ready)
+            self.unready = [r for r in self.unready if not r.ready]
 
     def _schedule(self, batch: Batch) -> None:
         """The policy: fill `batch` with chunks of running and waiting requests."""
