@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import xgrammar as xgr
 
@@ -16,6 +17,14 @@ _JSON = {"any_whitespace": False, "strict_mode": True}
 _ANY_OBJECT = '{"type": "object"}'
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex",
          "choice": "choice", "grammar": "grammar"}
+# Keywords xgrammar accepts but does not enforce: refused, as the output could break them.
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas")
+# Where subschemas sit: under a name (maps), alone, or in lists.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # xgrammar's messages start with a timestamp and a C++ source location.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s+(Check failed: .*? is false: )?")
 
@@ -23,6 +32,11 @@ _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s+(Check failed: .*? is false: )
 def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
     """The grammar of `spec`; ConstraintError (a ValueError) naming the field if invalid."""
     kind = spec.kind
+    if kind == "json":
+        unenforced = _unenforced(spec.json)
+        if unenforced:
+            raise ConstraintError(spec.field(), f"JSON schema keyword {unenforced} is not "
+                                                f"supported")
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(json.dumps(spec.json), **_JSON)
@@ -39,3 +53,24 @@ def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as exc:
         reason = _LOCATION.sub("", str(exc).strip()).strip()
         raise ConstraintError(spec.field(), f"invalid {_WHAT[kind]}: {reason}") from None
+
+
+def _unenforced(schema: Any) -> str | None:
+    """The first keyword of `schema` (or its subschemas) that decoding cannot enforce."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema:
+            return key
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    if len(schema.get("allOf") or []) > 1:
+        return "allOf (of more than one schema)"
+    subschemas = [schema.get(k) for k in _SCHEMA_ONE]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            subschemas.extend(schema[key].values())
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            subschemas.extend(schema[key])
+    return next((found for sub in subschemas if (found := _unenforced(sub))), None)
