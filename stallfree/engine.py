@@ -45,6 +45,10 @@ from .scheduler import make_scheduler
 from .scheduler.kv_cache import BlockManager
 from .scheduler.output import SchedulerOutput
 from .scheduler.pipeline import next_micro_batch
+from .structured import GrammarCompileService, GrammarMatchers
+
+# How long an engine with only grammars compiling waits for one (instead of spinning).
+_COMPILE_WAIT = 0.005
 
 logger = logging.getLogger("stallfree.engine")
 
@@ -95,6 +99,9 @@ class LLMEngine:
         self.executor, self.model_config = make_executor(config, self.device, dtype_name)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        # Thread-safe: the server submits a request's grammar before queueing it.
+        self.grammars = GrammarCompileService(self.tokenizer, self.model_config.vocab_size,
+                                              self.eos_token_ids)
         self._in_flight: deque[_Flight] = deque()
         self.scheduler = None
         self.reconfigure(config.scheduler, config.cache)
@@ -117,13 +124,15 @@ class LLMEngine:
         self.executor.reset_kv(num_blocks, cache_config.block_size)
         self._groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
+        self._matchers = GrammarMatchers(self.model_config.vocab_size)
         # Recent history only (each record holds its batch's shape): --iteration-log keeps all.
         self.iterations: deque[IterationRecord] = deque(maxlen=10_000)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
         cached = bm.prefix_cache_stats
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
+        return EngineStats(self.scheduler.num_running,
+                           self.scheduler.num_waiting + len(self.scheduler.unready), bm.usage,
                            bm.num_free_blocks, bm.num_total_blocks, cached.queries, cached.hits)
 
     def reset_prefix_cache(self) -> int:
@@ -166,11 +175,22 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        # A bad constraint raises here; its compile starts now, off this thread.
+        spec = params.structured_outputs
+        compiled = None if spec is None else self.grammars.submit(spec)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                              params, arrival, self.tokenizer, self.eos_token_ids)
-        # All n sequences or none; with prefix caching they share one prefill of the prompt.
-        self.scheduler.add_group(group.children)
+        if compiled is not None:
+            for child in group.children:
+                self._matchers.add(child, compiled)  # unready until compiled
+        try:
+            # All n sequences or none; with prefix caching they share one prefill of the prompt.
+            self.scheduler.add_group(group.children)
+        except ValueError:
+            for child in group.children:
+                self._matchers.remove(child.request_id)
+            raise
         for i, child in enumerate(group.children):
             self._child_to_group[child.request_id] = (request_id, i)
         self._groups[request_id] = group
@@ -182,6 +202,7 @@ class LLMEngine:
         for child in group.children:
             self.scheduler.abort_request(child.request_id)
             self._child_to_group.pop(child.request_id, None)
+            self._matchers.remove(child.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
@@ -189,6 +210,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops worker processes (a no-op in-process); the engine is unusable after."""
         self.executor.shutdown()
+        self.grammars.shutdown()
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> StepResult:
@@ -199,6 +221,7 @@ class LLMEngine:
         per stage, none holding a request already in flight), then completes the
         oldest micro-batch in flight.
         """
+        failed = self._start_compiled()
         busy = {rid for f in self._in_flight for rid in f.record.request_ids}
         while len(self._in_flight) < self.executor.depth:
             start, cpu_start = time.monotonic(), time.thread_time()
@@ -206,11 +229,13 @@ class LLMEngine:
             if output is None:
                 break
             record = output.iteration_record(start)
+            self._matchers.fill_bitmask(output)
             self.executor.submit(output)
             self._in_flight.append(_Flight(output, record, cpu_start))
             busy.update(record.request_ids)
         if not self._in_flight:
-            return StepResult([], [], None)
+            self._matchers.wait(_COMPILE_WAIT)  # unless no grammar is compiling
+            return StepResult([], failed, None)
         flight = self._in_flight.popleft()
         output = flight.output
         result = self.executor.receive()
@@ -225,7 +250,7 @@ class LLMEngine:
                               result.logprobs.get(c.request_id))
                    for c in output.chunks
                    if c.request_id in result.sampled and c.request_id in self._child_to_group]
-        finished = []
+        finished = failed
         for out in outputs:  # with n > 1, the last sequence to finish ends the request
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
@@ -236,9 +261,21 @@ class LLMEngine:
         parent_id, index = self._child_to_group[child_id]
         group = self._groups[parent_id]
         delta, stop_hit = group.append(index, token, logprobs)
-        if stop_hit and not group.children[index].is_finished:
+        grammar_ended = self._matchers.advance(child_id)
+        if (stop_hit or grammar_ended) and not group.children[index].is_finished:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED)
         return group.step_output(index, token, delta, logprobs)
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar has compiled become schedulable; one whose compile
+        failed ends (aborted), and its finished request is returned."""
+        finished = []
+        for child_id in self._matchers.poll():
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            group = self._groups[self._child_to_group[child_id][0]]
+            if group.is_finished:
+                finished.append(self._release(group.request_id))
+        return finished
 
     def request_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (it stays in the engine)."""
@@ -248,4 +285,5 @@ class LLMEngine:
         group = self._groups.pop(request_id)
         for child in group.children:
             self._child_to_group.pop(child.request_id, None)
+            self._matchers.remove(child.request_id)
         return group.output()

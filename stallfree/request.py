@@ -45,6 +45,9 @@ class Request:
     num_cached_tokens: int | None = None
     # Keys of its full blocks, filled in by the block manager as they are needed.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # False while something the request needs before it can run is still being prepared
+    # (its grammar compiling, off the engine thread): the scheduler leaves it aside.
+    ready: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

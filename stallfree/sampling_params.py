@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from .structured_outputs import KINDS, StructuredOutputs
 
 
 @dataclass
@@ -29,8 +32,13 @@ class SamplingParams:
     # Return the sampled token's log-probability plus this many most likely
     # alternatives per step; None returns none.
     logprobs: int | None = None
+    # Constrained decoding: a JSON schema, regex, choice or grammar the output must match
+    # (a StructuredOutputs, or a dict of its fields such as {"regex": "[0-9]+"}).
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -68,6 +76,9 @@ class SamplingParams:
               "presence_penalty", "must be in [-2, 2]")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               "frequency_penalty", "must be in [-2, 2]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
+              "must be a StructuredOutputs or a dict of its fields")
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +88,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _structured(fields: dict[str, Any]) -> StructuredOutputs:
+    unknown = set(fields) - set(KINDS)
+    if unknown:
+        raise ValueError(f"structured_outputs takes the keys {', '.join(KINDS)}, "
+                         f"got {', '.join(map(str, sorted(unknown)))}")
+    return StructuredOutputs(**fields)
 
 
 def _is_int(x: object) -> bool:

@@ -112,10 +112,12 @@ class FakeEngine:
     """Generates 'x' tokens, one per step per sequence; `gate` cleared = nothing runs.
 
     With `gate` cleared, every request stays waiting (to fill the queue);
-    `fail` set makes the next step raise (an engine crash).
+    `fail` set makes the next step raise (an engine crash). With `text` set, each
+    sequence writes that text instead, a character a step, then stops.
     """
 
-    def __init__(self, step_delay: float = 0.01) -> None:
+    def __init__(self, step_delay: float = 0.01, text: str | None = None) -> None:
+        self.text = text
         self.tokenizer = FakeTokenizer()
         self.model_config = SimpleNamespace(vocab_size=256)
         self.max_model_len = 64
@@ -178,11 +180,14 @@ class FakeEngine:
             for i in range(r.params.n):
                 if r.finish[i] is not None:
                     continue
-                r.outputs[i].append(ord("x"))
+                char = "x" if self.text is None else self.text[len(r.outputs[i])]
+                r.outputs[i].append(ord(char))
                 r.times[i].append(now)
-                if len(r.outputs[i]) >= (r.params.max_tokens or 8):
+                if self.text is not None and len(r.outputs[i]) == len(self.text):
+                    r.finish[i] = "stop"
+                elif len(r.outputs[i]) >= (r.params.max_tokens or 8):
                     r.finish[i] = "length"
-                outs.append(StepOutput(rid, i, [ord("x")], "x", r.finish[i]))
+                outs.append(StepOutput(rid, i, [ord(char)], char, r.finish[i]))
         finished = [self._release(rid) for rid, r in list(self._requests.items())
                     if all(f is not None for f in r.finish)]
         record = SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=len(outs),
@@ -192,6 +197,6 @@ class FakeEngine:
 
     def _release(self, request_id) -> RequestOutput:
         r = self._requests.pop(request_id)
-        outs = [CompletionOutput(i, "x" * len(o), o, r.finish[i], r.times[i])
+        outs = [CompletionOutput(i, "".join(map(chr, o)), o, r.finish[i], r.times[i])
                 for i, o in enumerate(r.outputs)]
         return RequestOutput(request_id, None, r.prompt, outs, r.arrival, r.first_scheduled)

@@ -21,9 +21,9 @@ TESTS = Path(__file__).parent
 # from any layer below its own; `__init__` is stallfree/__init__.py.
 LAYERS = (
     ("foundation", "config sampling_params request outputs attention_plan detokenizer "
-                   "iteration_log data"),
+                   "iteration_log data structured_outputs"),
     ("core", "scheduler model request_group"),  # scheduler: pure Python (test_scheduler.py)
-    ("execution", "executor distributed"),
+    ("execution", "executor distributed structured"),  # structured: xgrammar matchers
     ("engine", "engine"),
     ("offline API", "llm"),
     ("services", "server bench sim profiler"),
@@ -34,6 +34,7 @@ LAYERS = (
 # (a unit, or one module of it such as "sim.profile_store").
 SIDEWAYS = {
     "request": ("sampling_params",),
+    "sampling_params": ("structured_outputs",),
     "outputs": ("attention_plan",),
     "iteration_log": ("outputs",),
     "distributed": ("executor",),          # the distributed executor reuses the local one

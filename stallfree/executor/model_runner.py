@@ -78,7 +78,7 @@ class ModelRunner:
         if self.shard.tp_rank != 0:
             return RunnerOutput()
         requests = [c.request for c in sampling]
-        tokens = self.sampler(logits, requests)
+        tokens = self.sampler(logits, requests, output.token_bitmask, output.bitmask_rows)
         logprobs = token_logprobs(logits, tokens, requests)
         return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
                             {requests[i].request_id: lp for i, lp in logprobs.items()})

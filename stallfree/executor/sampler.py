@@ -26,11 +26,20 @@ class Sampler:
         return self._generators[device]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 bitmask: torch.Tensor | None = None,
+                 bitmask_rows: dict[str, int] | None = None) -> list[int]:
+        """`bitmask` (structured outputs): row `bitmask_rows[id]` holds the tokens request
+        `id` may take next; requests without a row are not constrained."""
         logits = logits.float().clone()
+        bitmask_rows = bitmask_rows or {}
         for row, req in enumerate(requests):
             _apply_penalties(logits[row], req)
-            _block_early_stop(logits[row], req)
+            # A grammar decides when its output may end: min_tokens would fight it.
+            if req.request_id not in bitmask_rows:
+                _block_early_stop(logits[row], req)
+        if bitmask_rows:
+            _apply_bitmask(logits, requests, bitmask, bitmask_rows)
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -80,6 +89,29 @@ def _filter_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     drop |= mass_before >= torch.tensor(top_ps, device=device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _apply_bitmask(logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor,
+                   bitmask_rows: dict[str, int]) -> None:
+    """Disallowed tokens of the constrained rows to -inf; the other rows are untouched."""
+    import xgrammar  # only batches with constrained requests need it
+
+    pairs = [(i, bitmask_rows[r.request_id]) for i, r in enumerate(requests)
+             if r.request_id in bitmask_rows]
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu":
+        # Row by row on views: xgrammar's CPU kernel needs no gathered copy of either.
+        for i, j in pairs:
+            xgrammar.apply_token_bitmask_inplace(logits[i], bitmask[j], vocab_size=vocab)
+        return
+    # One kernel for the batch: the mask rows gathered, on the device, into logit order.
+    device = logits.device
+    masks = bitmask.to(device, non_blocking=True)
+    aligned = masks.new_empty((len(requests), masks.shape[1]))
+    aligned[torch.tensor([i for i, _ in pairs], device=device)] = \
+        masks[torch.tensor([j for _, j in pairs], device=device)]
+    xgrammar.apply_token_bitmask_inplace(logits, aligned, vocab_size=vocab,
+                                         indices=[i for i, _ in pairs])
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from .config import ModelConfig
 from .loader import default_model_path
+from .tool_prompt import template_handles_tools, with_tools_in_messages
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -32,17 +33,25 @@ def eos_token_ids(tokenizer: Any, config: ModelConfig) -> frozenset[int]:
     return frozenset(ids)
 
 
-def chat_prompt_ids(tokenizer: Any, conversation: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, conversation: list[dict[str, Any]],
+                    add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt token ids of a conversation under the tokenizer's chat template.
 
+    `tools` (OpenAI function tools) and tool messages go to the template; one that
+    ignores tools gets them written into the messages (model/tool_prompt.py).
     Raises ValueError unless the conversation is a non-empty list of {'role',
     'content'} dicts; the template's own errors (e.g. a role it refuses) pass through.
     """
     if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m
                                    for m in conversation):
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    extra: dict[str, Any] = {}
+    if template_handles_tools(tokenizer):
+        extra = {"tools": tools} if tools else {}
+    elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+        conversation = with_tools_in_messages(conversation, tools)
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
+                                        tokenize=True, **extra)
     # Newer transformers return a BatchEncoding rather than a bare list.
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -78,6 +78,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.unready: list[Request] = []  # not ready to run yet: join `waiting` once ready
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._busy: frozenset[str] = frozenset()  # in flight in a pipeline: not schedulable
         self._held = HeldSiblings()  # n > 1: siblings waiting for their leader's prompt KV
@@ -85,7 +86,7 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self._check_new(request)
-        self.waiting.append(request)
+        (self.waiting if request.ready else self.unready).append(request)
         self._requests[request.request_id] = request
 
     def add_group(self, requests: Sequence[Request]) -> None:
@@ -113,7 +114,8 @@ class Scheduler:
     def _release_held(self, leader: Request) -> None:
         # The front of the queue: they arrived with a request already admitted.
         released = self._held.release(leader, self.block_manager.block_size)
-        self.waiting.extendleft(reversed(released))
+        self.unready.extend(r for r in released if not r.ready)
+        self.waiting.extendleft(reversed([r for r in released if r.ready]))
 
     def _check_new(self, request: Request) -> None:
         """Raises ValueError unless the request can be added."""
@@ -178,6 +180,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.unready:
+            self.unready.remove(request)
         elif not self._held.discard(request):  # else a sibling held for its leader
             self.waiting.remove(request)
         self.block_manager.free(request)
@@ -185,7 +189,7 @@ class Scheduler:
         self._release_held(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.unready)
 
     @property
     def num_waiting(self) -> int:
@@ -203,6 +207,7 @@ class Scheduler:
         # Admission only happens while budget is left after serving every
         # running request, so each running request can always get a token.
         assert len(self.running) <= self.config.token_budget, "more running requests than budget"
+        self._queue_ready()
         batch = Batch(self.config.token_budget)
         self._busy = busy
         try:
@@ -220,6 +225,13 @@ class Scheduler:
             assert batch.num_tokens <= self.config.token_budget
         assert len(self.running) <= self.config.max_num_seqs
         return SchedulerOutput(list(batch.chunks.values()), batch.preempted)
+
+    def _queue_ready(self) -> None:
+        """Requests that became ready join the waiting queue, behind those already there:
+        a request is skipped, never waited for, while it is not ready."""
+        if any(r.ready for r in self.unready):
+            self.waiting.extend(r for r in self.unready if r.ready)
+            self.unready = [r for r in self.unready if not r.ready]
 
     def _schedule(self, batch: Batch) -> None:
         """The policy: fill `batch` with chunks of running and waiting requests."""

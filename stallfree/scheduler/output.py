@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..attention_plan import split_chunks
 from ..outputs import IterationRecord
@@ -61,6 +62,11 @@ class SchedulerOutput:
     num_batched_tokens: int = field(init=False)
     num_prefill_tokens: int = field(init=False)
     num_decode_tokens: int = field(init=False)
+    # Structured outputs: for each constrained request that samples, its row of
+    # `token_bitmask` (packed int32 bits, one per vocabulary token: may it come next).
+    # Set by the engine after scheduling; opaque to the scheduler.
+    token_bitmask: Any = None
+    bitmask_rows: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = sum(c.num_tokens for c in self.chunks if c.is_prefill)

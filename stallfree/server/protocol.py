@@ -7,6 +7,7 @@ checked by `SamplingParams`, whose errors name the field.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -14,6 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..sampling_params import SamplingParams
+from ..structured_outputs import ConstraintError, StructuredOutputs
+from .structured_protocol import ConstraintFields, Tool, ToolCall, ToolChoice
+from .tools import ToolUse
 
 # OpenAI's own caps where it has them; they also keep one request from
 # swamping the engine (n sequences of up to max_model_len tokens each).
@@ -56,8 +60,8 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(OpenAIModel):
-    """Sampling fields shared by completions and chat completions."""
+class _SamplingFields(OpenAIModel, ConstraintFields):
+    """Sampling fields shared by completions and chat completions (constraints included)."""
 
     model: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
@@ -87,8 +91,8 @@ class _SamplingFields(OpenAIModel):
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias", "logit_bias is not supported yet")
 
-    def _sampling_params(self, max_tokens: int | None,
-                         logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                         constraint: StructuredOutputs | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise UnsupportedFeature("stop", "stop strings must not be empty")
@@ -96,7 +100,7 @@ class _SamplingFields(OpenAIModel):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
-            logprobs=logprobs)
+            logprobs=logprobs, structured_outputs=constraint or self.constraint())
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1),
                               ("min_p", 0.0), ("repetition_penalty", 1.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
@@ -174,6 +178,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: StrictStr | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -183,13 +189,29 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: {'role', 'content'} with text content."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: {'role', 'content'} with text content,
+    plus tool calls (arguments as data, as templates expect), tool_call_id and name."""
+    conversation = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": _json_or_text(
+                     c.function.arguments)}} for c in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        conversation.append(message)
+    return conversation
 
 
-class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -198,32 +220,37 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
+
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and tool_choice, resolved (None without tools)."""
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedFeature("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedFeature("response_format",
-                                     f"response_format {self.response_format.type!r} "
-                                     "is not supported yet")
-        if self.tools:
-            raise UnsupportedFeature("tools", "tools are not supported yet")
+        tools = self.tool_use()
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None and self.constraint() is not None:
+            raise ConstraintError("tool_choice", f"{self.tool_choice!r} constrains the output "
+                                                 f"to tool calls: it cannot be combined with "
+                                                 f"another constraint")
         # OpenAI's default: generate until the model stops (or max_model_len).
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self._sampling_params(max_tokens,
-                                     (self.top_logprobs or 0) if self.logprobs else None)
+                                     (self.top_logprobs or 0) if self.logprobs else None, forced)
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -263,6 +290,7 @@ class TokenizeRequest(OpenAIModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = None  # with messages: as the chat template shows them
 
 
 class TokenizeResponse(BaseModel):

@@ -5,6 +5,7 @@ routers are plain module-level objects and one process can hold several apps.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -13,8 +14,10 @@ from fastapi import Depends, Request
 
 from ..model.tokenizer import chat_prompt_ids
 from ..sampling_params import SamplingParams
+from ..structured import build_grammar
 from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from .errors import APIError, bad_value
+from .tools import ToolUse
 
 
 class ServerState:
@@ -62,13 +65,32 @@ class ServerState:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         return model, params
 
+    async def prepare_constraint(self, params: SamplingParams,
+                                 tools: ToolUse | None = None) -> None:
+        """Checks the request's constraint and its tools' parameter schemas, and starts
+        compiling the constraint (off the event loop): a 400 naming the field if one is
+        invalid, before the request is queued."""
+        if params.structured_outputs is None and tools is None:
+            return
+
+        def check() -> None:
+            for schema in [] if tools is None else tools.parameter_schemas():
+                build_grammar(schema)
+            if params.structured_outputs is not None:
+                self.llm_engine.grammars.submit(params.structured_outputs)
+        try:
+            await asyncio.to_thread(check)
+        except ValueError as exc:
+            raise bad_value(exc) from exc
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm_engine.tokenize(text))
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         try:
-            return chat_prompt_ids(self.llm_engine.tokenizer, conversation, add_generation_prompt)
+            return chat_prompt_ids(self.llm_engine.tokenizer, conversation, add_generation_prompt,
+                                   tools)
         except Exception as exc:  # jinja errors: e.g. roles the template refuses
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages",
                            code="invalid_value") from exc

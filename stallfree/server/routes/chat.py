@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ...outputs import RequestOutput, StepOutput
+from ...outputs import CompletionOutput, RequestOutput, StepOutput
 from ..errors import ERROR_RESPONSES
 from ..logprobs import chat_logprobs
 from ..protocol import (
@@ -19,6 +19,7 @@ from ..protocol import (
 )
 from ..state import StateDep
 from ..streaming import usage_of
+from ..tools import TextReply
 from .generation import reply, start_call
 
 router = APIRouter()
@@ -34,23 +35,30 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                  state: StateDep) -> Any:
     arrival = time.monotonic()
     model, params = state.check_request(body)
-    ids = await asyncio.to_thread(state.apply_chat_template, body.conversation())
+    tools = body.tool_use()
+    await state.prepare_constraint(params, tools)
+    ids = await asyncio.to_thread(state.apply_chat_template, body.conversation(), True,
+                                  None if tools is None else tools.template_tools())
     call = await start_call(state, "chatcmpl", "chat.completion.chunk", model, [ids], params,
                             arrival)
+    # Each choice's text becomes content and/or tool calls (tools.py).
+    replies = [TextReply() if tools is None else tools.reply() for _ in range(params.n)]
 
     def step_chunk(_: int, item: StepOutput) -> dict:
-        delta = {"content": item.new_text} if item.new_text else {}
+        delta, finish = replies[item.index].delta(item.new_text, item.finish_reason)
         logprobs = (None if item.logprobs is None
                     else chat_logprobs(item.logprobs, state.decode_one))
-        return call.chunk(_choice(item.index, delta, item.finish_reason, logprobs))
+        return call.chunk(_choice(item.index, delta, finish, logprobs))
+
+    def choice(o: CompletionOutput) -> ChatCompletionChoice:
+        message, finish = replies[o.index].message(o.text, o.finish_reason)
+        return ChatCompletionChoice(index=o.index, message=ChatResponseMessage(**message),
+                                    logprobs=None if o.logprobs is None else chat_logprobs(
+                                        o.logprobs, state.decode_one),
+                                    finish_reason=finish)
 
     def response(finals: list[RequestOutput]) -> ChatCompletionResponse:
-        choices = [ChatCompletionChoice(index=o.index,
-                                        message=ChatResponseMessage(content=o.text),
-                                        logprobs=None if o.logprobs is None else chat_logprobs(
-                                            o.logprobs, state.decode_one),
-                                        finish_reason=o.finish_reason)
-                   for o in finals[0].outputs]
+        choices = [choice(o) for o in finals[0].outputs]
         return ChatCompletionResponse(id=call.id, created=call.created, model=model,
                                       choices=choices, usage=Usage(**usage_of(finals)))
 

@@ -27,6 +27,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
                             state: StateDep) -> Any:
     arrival = time.monotonic()
     model, params = state.check_request(body)
+    await state.prepare_constraint(params)
     prompts = body.prompts()
     for p in prompts:
         if not isinstance(p, str):

@@ -24,8 +24,9 @@ async def tokenize(body: TokenizeRequest,
         raise APIError(400, "give exactly one of prompt and messages", param="prompt",
                        code="invalid_value")
     if body.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         ids = state.apply_chat_template(conversation_of(body.messages),
-                                        body.add_generation_prompt)
+                                        body.add_generation_prompt, tools or None)
     else:
         tokenizer = state.llm_engine.tokenizer
         ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
