@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .scheduler.kv_cache import BlockManager
 from .scheduler.output import SchedulerOutput
 from .scheduler.pipeline import next_micro_batch
 
+logger = logging.getLogger("stallfree.engine")
 
 @dataclass
 class _Flight:
@@ -80,7 +82,13 @@ class LLMEngine:
             raise RuntimeError("cannot reconfigure an engine with unfinished requests")
         self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
                                           cache=cache_config)
-        scheduler_config = scheduler_config.resolved(self.model_config.max_position_embeddings)
+        limit = self.model_config.context_limit
+        if limit < self.model_config.max_position_embeddings and (
+                scheduler_config.max_model_len is None or scheduler_config.max_model_len > limit):
+            logger.warning("max_model_len capped at the model's sliding window (%d tokens): "
+                           "attention runs over the full context, which equals the windowed "
+                           "attention only within the window", limit)
+        scheduler_config = scheduler_config.resolved(limit)
         self.max_model_len = scheduler_config.max_model_len
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,

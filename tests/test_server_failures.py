@@ -179,3 +179,30 @@ def test_n_and_multiple_prompts_are_indexed_like_openai(serve):
                 texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
         assert texts == {0: "xx", 1: "xx", 2: "xx", 3: "xx"}
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}),
+])
+def test_stream_left_before_its_first_chunk_is_aborted(serve, path, body):
+    engine = FakeEngine()
+    server = serve(engine)
+    engine.gate.clear()  # nothing is generated: the client leaves before any token
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            async with c.stream("POST", path, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                deadline = time.monotonic() + 10
+                while not engine.has_unfinished_requests():
+                    assert time.monotonic() < deadline, "the request never reached the engine"
+                    await asyncio.sleep(0.02)
+            # Hung up, having read nothing: the request must go, with nothing generated.
+            deadline = time.monotonic() + 10
+            while engine.has_unfinished_requests():
+                assert time.monotonic() < deadline, "the abandoned request still waits"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert scrape(server.url)["stallfree:request_aborted_total"] == 1
