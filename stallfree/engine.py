@@ -196,22 +196,51 @@ class LLMEngine:
         output = flight.output
         result = self.executor.receive()
         end = time.monotonic()
+        failed: dict[str, str] = {}
+        for child_id, reason in result.failed.items():  # before update: they have no token
+            self._fail(child_id, reason, failed)
         self.scheduler.update(output, result.sampled, end)
         record = dataclasses.replace(flight.record, end=end,
                                      cpu_time=time.thread_time() - flight.cpu_start,
                                      stage_times=tuple(result.stage_times))
         self.iterations.append(record)
-        # A chunk that ends mid-prompt produced nothing to report.
-        outputs = [self._emit(c.request_id, result.sampled[c.request_id],
-                              result.logprobs.get(c.request_id))
-                   for c in output.chunks
-                   if c.request_id in result.sampled and c.request_id in self._child_to_group]
+        outputs = []
+        for c in output.chunks:
+            # A chunk that ends mid-prompt produced nothing to report.
+            if c.request_id not in result.sampled or c.request_id not in self._child_to_group:
+                continue
+            try:
+                outputs.append(self._emit(c.request_id, result.sampled[c.request_id],
+                                          result.logprobs.get(c.request_id)))
+            except Exception as exc:  # noqa: BLE001 - e.g. its detokenizing: it fails alone
+                self._fail(c.request_id, f"{type(exc).__name__}: {exc}", failed)
         finished = []
         for out in outputs:  # with n > 1, the last sequence to finish ends the request
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
                 finished.append(self._release(out.request_id))
-        return StepResult(outputs, finished, record)
+        return StepResult(outputs, finished, record, failed)
+
+    def _fail(self, child_id: str, reason: str, failed: dict[str, str]) -> None:
+        """Ends the request owning sequence `child_id` (all its sequences) after an error of
+        its own; `failed` gets its id and the reason."""
+        if child_id not in self._child_to_group:
+            return  # already ended (aborted meanwhile, or a sibling failed first)
+        request_id = self._child_to_group[child_id][0]
+        logger.warning("request %s failed and was ended: %s", request_id, reason)
+        self.abort_request(request_id)
+        failed[request_id] = reason
+
+    def abort_all(self) -> list[str]:
+        """Ends every request and discards the batches in flight (after a failed step whose
+        cause no single request owns); returns the ids ended. The engine stays usable."""
+        ids = list(self._groups)
+        for request_id in ids:
+            self.abort_request(request_id)
+        while self._in_flight:  # their results belong to requests just ended
+            self._in_flight.popleft()
+            self.executor.receive()
+        return ids
 
     def _emit(self, child_id: str, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         parent_id, index = self._child_to_group[child_id]

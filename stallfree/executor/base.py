@@ -14,6 +14,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
     # (start, end) of this batch on each pipeline stage, monotonic clock; empty in-process.
     stage_times: list[tuple[float, float]] = field(default_factory=list)
+    # Requests whose sampling raised (request id -> reason); the batch's others sampled.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Executor(Protocol):

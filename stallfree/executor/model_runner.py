@@ -82,10 +82,30 @@ class ModelRunner:
         if self.shard.tp_rank != 0:
             return RunnerOutput()
         requests = [c.request for c in sampling]
-        tokens = self.sampler(logits, requests)
-        logprobs = token_logprobs(logits, tokens, requests)
+        try:
+            tokens = self.sampler(logits, requests)
+            logprobs = token_logprobs(logits, tokens, requests)
+        except Exception:  # noqa: BLE001 - find the request(s) at fault, sample the rest
+            return self._sample_one_by_one(logits, requests)
         return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
                             {requests[i].request_id: lp for i, lp in logprobs.items()})
+
+    def _sample_one_by_one(self, logits: torch.Tensor, requests: list) -> RunnerOutput:
+        """After the batch's sampling raised: each request alone, so that an error of one
+        (its parameters, its logits processing) fails that request only."""
+        result = RunnerOutput()
+        for row, request in enumerate(requests):
+            rid = request.request_id
+            try:
+                token = self.sampler(logits[row:row + 1], [request])[0]
+                logprobs = token_logprobs(logits[row:row + 1], [token], [request])
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported back
+                result.failed[rid] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            result.sampled[rid] = token
+            if 0 in logprobs:
+                result.logprobs[rid] = logprobs[0]
+        return result
 
 
 def clean_kv_blocks(kv_cache: torch.Tensor, seqs: list[tuple[int, int, list[int]]],

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: the chat template applied, then generated like a completion."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ from ..protocol import (
     ChatResponseMessage,
     Usage,
 )
-from ..state import StateDep
+from ..state import StateDep, token_decoder
 from ..streaming import usage_of
 from .generation import reply, start_call
 
@@ -34,21 +33,24 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                  state: StateDep) -> Any:
     arrival = time.monotonic()
     model, params = state.check_request(body)
-    ids = await asyncio.to_thread(state.apply_chat_template, body.conversation())
+    ids = await state.apply_chat_template(body.conversation())
     call = await start_call(state, "chatcmpl", "chat.completion.chunk", model, [ids], params,
                             arrival)
 
-    def step_chunk(_: int, item: StepOutput) -> dict:
+    def step_chunk(_: int, item: StepOutput) -> Any:
         delta = {"content": item.new_text} if item.new_text else {}
-        logprobs = (None if item.logprobs is None
-                    else chat_logprobs(item.logprobs, state.decode_one))
-        return call.chunk(_choice(item.index, delta, item.finish_reason, logprobs))
+        if item.logprobs is None:
+            return call.chunk(_choice(item.index, delta, item.finish_reason))
+        return state.offload(lambda tok: call.chunk(_choice(
+            item.index, delta, item.finish_reason,
+            chat_logprobs(item.logprobs, token_decoder(tok)))))
 
-    def response(finals: list[RequestOutput]) -> ChatCompletionResponse:
+    def response(finals: list[RequestOutput], tok: Any) -> ChatCompletionResponse:
+        decode = token_decoder(tok)
         choices = [ChatCompletionChoice(index=o.index,
                                         message=ChatResponseMessage(content=o.text),
                                         logprobs=None if o.logprobs is None else chat_logprobs(
-                                            o.logprobs, state.decode_one),
+                                            o.logprobs, decode),
                                         finish_reason=o.finish_reason)
                    for o in finals[0].outputs]
         return ChatCompletionResponse(id=call.id, created=call.created, model=model,
@@ -57,4 +59,4 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     # Each choice's stream opens with the assistant's role, as OpenAI's does.
     roles = [call.chunk(_choice(j, {"role": "assistant", "content": ""}, None))
              for j in range(params.n)]
-    return await reply(raw, call, body, roles, step_chunk, response)
+    return await reply(state, raw, call, body, roles, step_chunk, response)

@@ -24,11 +24,10 @@ async def tokenize(body: TokenizeRequest,
         raise APIError(400, "give exactly one of prompt and messages", param="prompt",
                        code="invalid_value")
     if body.messages is not None:
-        ids = state.apply_chat_template(conversation_of(body.messages),
-                                        body.add_generation_prompt)
+        ids = await state.apply_chat_template(conversation_of(body.messages),
+                                              body.add_generation_prompt)
     else:
-        tokenizer = state.llm_engine.tokenizer
-        ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = await state.tokenize(body.prompt, body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
 
@@ -37,4 +36,4 @@ async def detokenize(body: DetokenizeRequest,
                      state: StateDep) -> DetokenizeResponse:
     state.check_model(body.model)
     state.check_token_ids(body.tokens, "tokens")
-    return DetokenizeResponse(prompt=state.decode(body.tokens))
+    return DetokenizeResponse(prompt=await state.decode(body.tokens))
