@@ -17,6 +17,7 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.bench.systems import free_port
+from stallfree.distributed.channel import SECRET_ENV, new_secret
 from stallfree.distributed.distributed_executor import WorkerError
 
 CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -55,6 +56,24 @@ def single_tokens(small_model) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on `port` (from /proc/net/tcp*)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(addr)
+                    # /proc writes each 32-bit word in host (little-endian) order.
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+                    found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
 def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
@@ -66,6 +85,9 @@ def test_parallel_greedy_matches_single_process(small_model, single_tokens, tp, 
         records = list(llm.engine.iterations)
         workers = llm.engine.executor.workers
         procs = list(llm.engine.executor.procs)
+        store_port = llm.engine.executor.store.port
+        # Every rank is local: the control store listens on loopback alone.
+        assert _listening_addresses(store_port) == {"127.0.0.1"}
     assert [o.token_ids for o in outputs] == single_tokens
     assert len(workers) == tp * pp and all(len(r.stage_times) == pp for r in records)
     # Every worker process is gone once the LLM is shut down.
@@ -134,11 +156,7 @@ def test_worker_crash_fails_the_request(small_model):
 
 def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypatch):
     """The multi-machine path: rank 1 started by hand with the torch.distributed env."""
-    port = free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
-    remote = subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
+    remote = _remote_worker(monkeypatch)
     try:
         with LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == single_tokens[:3]
@@ -146,6 +164,37 @@ def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypat
     finally:
         if remote.poll() is None:
             remote.kill()
+
+
+def _remote_worker(monkeypatch) -> subprocess.Popen:
+    """Rank 1 of 2, started by hand as on another machine (with the run's secret)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv(SECRET_ENV, new_secret().hex())
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
+    return subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
+
+
+def test_a_remote_worker_gone_silent_fails_the_engine(small_model, monkeypatch):
+    """A rank that hangs without exiting or reporting (a frozen machine, a cut network):
+    its heartbeat stops, and the engine fails instead of waiting forever."""
+    remote = _remote_worker(monkeypatch)
+    try:
+        with LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE) as llm:
+            llm.generate(PROMPTS[:1], GREEDY)
+            os.kill(remote.pid, signal.SIGSTOP)
+            with pytest.raises(WorkerError, match="rank 1 sent no heartbeat"):
+                llm.generate(PROMPTS[:2], GREEDY)
+    finally:
+        remote.kill()
+        remote.wait(timeout=30)
+
+
+def test_remote_workers_need_a_secret(small_model, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv("STALLFREE_WORKER_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE)
 
 
 def test_generate_cli_with_parallel_flags(small_model, single_tokens):
