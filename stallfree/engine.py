@@ -231,6 +231,21 @@ class LLMEngine:
         self.abort_request(request_id)
         failed[request_id] = reason
 
+    def restart_executor(self) -> list[str]:
+        """After the executor's workers failed: starts them afresh with the same KV cache
+        size and requeues every running request for recompute (the preemption path), so
+        its client sees a delay, not an error; returns the ids requeued. Greedy and
+        seeded sequences continue with the tokens they would have had. Raises if the
+        executor cannot restart (an in-process model, or workers on other machines)."""
+        self._in_flight.clear()  # lost with the workers; none was applied
+        self.executor.restart()
+        bm = self.block_manager
+        self.executor.reset_kv(bm.num_total_blocks, bm.block_size)
+        requeued = self.scheduler.preempt_all()
+        logger.warning("workers restarted; %d running sequences requeued for recompute",
+                       len(requeued))
+        return requeued
+
     def abort_all(self) -> list[str]:
         """Ends every request and discards the batches in flight (after a failed step whose
         cause no single request owns); returns the ids ended. The engine stays usable."""

@@ -230,32 +230,68 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_server_with_workers_fails_requests_on_a_crash_and_stops_cleanly(small_model):
-    from openai import APIError, OpenAI
+def test_server_restarts_crashed_workers_then_exits_when_it_cannot(small_model, tmp_path):
+    """A SIGKILLed worker mid-stream: the workers restart, every running request is
+    recomputed and every stream ends with the tokens of an undisturbed run. Workers that
+    cannot come back (the model is gone): the server exits non-zero, workers and all."""
+    import asyncio
+    import json
+    import shutil
+
+    import httpx
 
     from server_utils import ServerProcess
 
-    server = ServerProcess("--model", small_model, "-tp", "2", "--max-model-len", "256",
-                           "--served-model-name", "small")
+    model = tmp_path / "model"
+    shutil.copytree(small_model, model)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.text for o in LLM(str(model), **ENGINE).generate(PROMPTS, params)]
+    server = ServerProcess("--model", str(model), "-tp", "2", "--max-model-len", "256",
+                           "--max-num-batched-tokens", "16", "--served-model-name", "small")
     try:
         workers = _children(server.proc.pid)
         assert len(workers) == 2
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        ok = client.completions.create(model="small", prompt=PROMPTS[2], max_tokens=4,
-                                       temperature=0.0)
-        assert ok.choices[0].finish_reason in ("length", "stop")
-        os.kill(workers[1], signal.SIGKILL)
-        with pytest.raises(APIError):
-            client.completions.create(model="small", prompt=PROMPTS[3], max_tokens=50,
-                                      timeout=60)
-        import httpx
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-        # Ctrl-C reaches the whole process group: the server and its workers all end.
-        os.killpg(server.proc.pid, signal.SIGINT)
-        server.proc.wait(timeout=30)
+
+        async def scenario() -> list[str]:
+            started = [asyncio.Event() for _ in PROMPTS]
+
+            async def stream(i: int) -> str:
+                text, finish = "", None
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "small", "prompt": PROMPTS[i], "max_tokens": 24,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+                        finish = chunk["choices"][0]["finish_reason"] or finish
+                        started[i].set()
+                assert finish == "length"
+                return text
+
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+                tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                os.kill(workers[1], signal.SIGKILL)  # every stream is mid-way
+                return await asyncio.gather(*tasks)
+
+        assert asyncio.run(scenario()) == expected
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'stallfree:worker_restarts_total{model_name="small"} 1.0' in metrics
+        restarted = _children(server.proc.pid)
+        assert len(restarted) == 2 and not set(restarted) & set(workers)
+        # Now the workers cannot start again: the server must not linger answering 503.
+        shutil.rmtree(model)
+        os.kill(restarted[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=120) == 1
+        assert "workers failed and could not be restarted" in server.log_tail(), server.log_tail()
         deadline = time.monotonic() + 15
-        while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+        while not all(_gone(w) for w in restarted) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert all(_gone(w) for w in workers), "a worker outlived the server"
+        assert all(_gone(w) for w in restarted), "a worker outlived the server"
     finally:
         server.stop()

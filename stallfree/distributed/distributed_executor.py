@@ -23,7 +23,7 @@ from collections import deque
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..executor.base import RunnerOutput
+from ..executor.base import RunnerOutput, WorkerError
 from ..scheduler.output import SchedulerOutput
 from .channel import SECRET_ENV, Channel, new_secret, secret_from_env
 from .messages import (
@@ -39,10 +39,6 @@ from .messages import (
 # from its own thread).
 HEARTBEAT_DEADLINE_S = 10.0
 LOOPBACK = "127.0.0.1"
-
-
-class WorkerError(RuntimeError):
-    """A worker failed or exited; the engine cannot go on."""
 
 
 def threads_per_worker(world_size: int) -> int | None:
@@ -71,8 +67,28 @@ class DistributedExecutor:
     def __init__(self, worker_config: WorkerConfig, parallel: ParallelConfig) -> None:
         self.depth = parallel.pipeline_parallel_size  # micro-batches in flight at most
         self.world_size = parallel.world_size
+        self._worker_config, self._parallel = worker_config, parallel
+        self._start()
+
+    @property
+    def restartable(self) -> bool:
+        """Only workers this process started can be started again."""
+        return self._num_local == self.world_size
+
+    def restart(self) -> None:
+        """Stops whatever is left of the workers and starts them all afresh (a new store,
+        so nothing of the old run's messages remains); the KV cache must be reset after."""
+        if not self.restartable:
+            raise WorkerError("workers on other machines cannot be restarted from here: "
+                              "restart them and the server")
+        self.shutdown(grace=1.0)
+        self._start()
+
+    def _start(self) -> None:
+        worker_config, parallel = self._worker_config, self._parallel
         local = self.world_size if parallel.num_local_workers is None \
             else parallel.num_local_workers
+        self._num_local = local
         all_local = local == self.world_size
         # Every rank here: nothing needs to reach the store from outside this machine.
         addr = LOOPBACK if all_local else os.environ.get("MASTER_ADDR", LOOPBACK)

@@ -10,7 +10,9 @@ a slow client never slows the batch: its deltas just pile up in its own queue.
 Failure rules: a request the engine refuses (ValueError) fails alone; a full
 waiting queue refuses at once (`QueueFullError`); a request that fails on its own
 in a step (its sampling, its detokenizing) gets `RequestFailedError` and the batch
-goes on. A step that fails for no one request's fault fails the requests it held
+goes on. Workers that fail (`WorkerError`) are restarted and every running request
+recomputed, so clients see a delay, not an error (up to `MAX_WORKER_RESTARTS` in a
+row). A step that fails for no one request's fault fails the requests it held
 (`RequestFailedError`) and the engine goes on with the next ones; a failing
 iteration log is closed and serving goes on. Only when steps keep failing
 (`MAX_CONSECUTIVE_FAILURES` in a row) or recovery itself fails is the engine dead:
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..executor.base import WorkerError
 from ..iteration_log import IterationLog
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
@@ -54,6 +57,8 @@ class RequestFailedError(RuntimeError):
 # Failed steps in a row after which the engine is declared dead: recovery ends every
 # request, so a failure that outlives that is the engine's, not a request's.
 MAX_CONSECUTIVE_FAILURES = 3
+# Worker restarts in a row (no step completing between them) before giving up.
+MAX_WORKER_RESTARTS = 3
 
 
 @dataclass
@@ -106,6 +111,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self._failures = 0  # failed steps in a row
+        self._restarts = 0  # worker restarts in a row
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
@@ -178,7 +184,9 @@ class AsyncEngine:
                 if engine.has_unfinished_requests():
                     try:
                         self._step()
-                        self._failures = 0
+                        self._failures = self._restarts = 0
+                    except WorkerError as exc:
+                        self._restart_workers(exc)
                     except Exception as exc:  # noqa: BLE001 - recover, or die below
                         self._recover(exc)
                 self._update_gauges()
@@ -188,6 +196,21 @@ class AsyncEngine:
                            cause=exc)
             if self.on_fatal is not None:
                 self.on_fatal()
+
+    def _restart_workers(self, exc: WorkerError) -> None:
+        """Workers died: start them again and recompute what ran; raises (the engine then
+        dies) when they cannot be restarted or keep failing."""
+        self._restarts += 1
+        if not getattr(self.engine.executor, "restartable", False) \
+                or self._restarts > MAX_WORKER_RESTARTS:
+            raise RuntimeError(f"workers failed and could not be restarted ({self._restarts - 1} "
+                               f"restarts in a row): {exc}") from exc
+        logger.error("workers failed (%s); restarting them (%d in a row)", exc, self._restarts)
+        try:
+            self.engine.restart_executor()
+        except Exception as err:  # noqa: BLE001 - the engine dies with this reason
+            raise RuntimeError(f"workers failed and could not be restarted: {err}") from err
+        self.metrics.worker_restarts.inc()
 
     def _recover(self, exc: Exception) -> None:
         """After a step failed for no single request's fault: fails the requests the engine

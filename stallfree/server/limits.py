@@ -11,6 +11,8 @@ from ..sampling_params import SamplingParams
 from .config import RequestLimits
 from .errors import APIError, error_response
 
+DRAIN_FACTOR = 4  # a refused body is read (not kept) up to this many times the limit
+
 
 def check_request_limits(limits: RequestLimits, params: SamplingParams,
                          num_prompts: int = 1) -> None:
@@ -82,6 +84,14 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        # Most clients read no answer before they have sent their whole body: take (and
+        # drop) a bounded rest of it, so that they see the 413 rather than a reset.
+        drained = 0
+        while drained <= DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+            drained += len(message.get("body", b""))
         response = error_response(413, f"the request body exceeds {self.max_bytes} bytes "
                                        "(this server's --max-body-bytes)",
                                   code="limit_exceeded", headers={"Connection": "close"})

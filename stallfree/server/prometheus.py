@@ -70,6 +70,8 @@ class ServerMetrics:
                                 "Sequences that finished, by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
         self.aborted = counter("request_aborted", "Requests aborted (e.g. client disconnects).")
+        self.worker_restarts = counter("worker_restarts",
+                                       "Times failed workers were restarted (requests recomputed).")
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Latencies of a finished request (engine monotonic times)."""
