@@ -13,6 +13,7 @@ import httpx
 
 from stallfree.bench.systems import ServerProcess as LaunchedServer
 from stallfree.bench.systems import System, free_port
+from stallfree.executor.base import WorkerError
 from stallfree.outputs import (
     CompletionOutput,
     EngineStats,
@@ -126,6 +127,11 @@ class FakeEngine:
         self.gate.set()
         self.fail = threading.Event()
         self.fail_steps = 0
+        # Workers that die: the next so many steps raise WorkerError; restart_executor()
+        # brings them back (requests keep their state, as recompute would give them).
+        self.worker_fail_steps = 0
+        self.executor = SimpleNamespace(restartable=True)
+        self.restarts = 0
         self._requests: dict[str, _FakeRequest] = {}
         self._stats = EngineStats(0, 0, 0.0, 100, 100)
 
@@ -159,6 +165,10 @@ class FakeEngine:
         self._requests.pop(request_id, None)
         self._count()
 
+    def restart_executor(self) -> list[str]:
+        self.restarts += 1
+        return list(self._requests)
+
     def abort_all(self) -> list[str]:
         ids = list(self._requests)
         self._requests.clear()
@@ -170,6 +180,9 @@ class FakeEngine:
 
     def step(self) -> StepResult:
         time.sleep(self.step_delay)
+        if self.worker_fail_steps > 0:
+            self.worker_fail_steps -= 1
+            raise WorkerError("worker rank 1 (pid 0) exited with code -9")
         if self.fail.is_set() or self.fail_steps > 0:
             self.fail_steps -= 1
             raise RuntimeError("simulated engine failure")

@@ -17,7 +17,7 @@ import pytest
 from server_utils import FakeEngine, ThreadServer, scrape
 from stallfree.iteration_log import IterationLog
 from stallfree.server.api import build_app
-from stallfree.server.async_engine import MAX_CONSECUTIVE_FAILURES
+from stallfree.server.async_engine import MAX_CONSECUTIVE_FAILURES, MAX_WORKER_RESTARTS
 from stallfree.server.config import RequestLimits
 
 MODEL = "fake"
@@ -277,6 +277,47 @@ def test_steps_that_keep_failing_kill_the_engine_and_stop_the_server(serve):
 
     asyncio.run(scenario())
     assert fatal == [True]
+
+
+def test_failed_workers_are_restarted_and_requests_go_on(serve):
+    engine = FakeEngine()
+    server = serve(engine)
+    engine.gate.clear()
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            plain, chat, streamed = _held_requests(c, engine, max_tokens=4)
+            await _until(lambda: engine.stats().num_waiting == 3, "requests did not arrive")
+            engine.worker_fail_steps = 2  # dies, and dies again right after its restart
+            engine.gate.set()
+            assert (await plain).json()["choices"][0]["text"] == "xxxx"
+            assert (await chat).json()["choices"][0]["message"]["content"] == "xxxx"
+            events = await streamed
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events)
+            assert (await c.get("/health")).status_code == 200
+
+    asyncio.run(scenario())
+    assert engine.restarts == 2
+    assert scrape(server.url)["stallfree:worker_restarts_total"] == 2
+
+
+@pytest.mark.parametrize("restartable", [True, False])
+def test_workers_that_cannot_come_back_kill_the_engine(serve, restartable):
+    engine = FakeEngine()
+    engine.executor.restartable = restartable
+    fatal = []
+    server = serve(engine, on_fatal=lambda: fatal.append(True))
+    engine.worker_fail_steps = 100
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json={"prompt": "hi"}), 10)
+            assert _is_error(r, 500)["code"] == "engine_dead"
+            assert _is_error(await c.get("/health"), 503)["code"] == "engine_dead"
+
+    asyncio.run(scenario())
+    assert fatal == [True]
+    assert engine.restarts == (MAX_WORKER_RESTARTS if restartable else 0)
 
 
 class _FullDisk(io.StringIO):

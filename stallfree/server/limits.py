@@ -67,7 +67,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, message.get("more_body", False))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -83,14 +83,16 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+    async def _refuse(self, scope: dict, receive: Any, send: Any, more: bool = True) -> None:
         # Most clients read no answer before they have sent their whole body: take (and
-        # drop) a bounded rest of it, so that they see the 413 rather than a reset.
+        # drop) a bounded rest of it (`more`: some is still to come), so that they see the
+        # 413 rather than a reset.
         drained = 0
-        while drained <= DRAIN_FACTOR * self.max_bytes:
+        while more and drained <= DRAIN_FACTOR * self.max_bytes:
             message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body", False):
+            if message["type"] != "http.request":
                 break
+            more = message.get("more_body", False)
             drained += len(message.get("body", b""))
         response = error_response(413, f"the request body exceeds {self.max_bytes} bytes "
                                        "(this server's --max-body-bytes)",
