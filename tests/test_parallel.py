@@ -218,8 +218,16 @@ def test_default_model_tp2_pp2_matches(default_llm):
 
 
 def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+    """Child processes of every thread of `pid` (workers restarted by the engine thread
+    are that thread's children)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return children
 
 
 def _gone(pid: int) -> bool:

@@ -418,3 +418,22 @@ def test_stream_left_before_its_first_chunk_is_aborted(serve, path, body):
 
     asyncio.run(scenario())
     assert scrape(server.url)["stallfree:request_aborted_total"] == 1
+
+
+def test_real_server_with_iteration_log_on_a_full_disk_serves(tiny_model):
+    """/dev/full answers every write with ENOSPC: the header fails at start-up, and the
+    server serves without its log rather than refusing to start or dying later."""
+    from server_utils import ServerProcess
+
+    server = ServerProcess("--model", tiny_model, "--iteration-log", "/dev/full",
+                           "--kv-cache-memory", "64MiB", "--served-model-name", "tiny")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for _ in range(2):
+                r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
+                                                    "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert c.get("/health").status_code == 200
+        assert "serving without it" in server.log_tail()
+    finally:
+        server.stop()
