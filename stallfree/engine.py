@@ -231,6 +231,12 @@ class LLMEngine:
         self.abort_request(request_id)
         failed[request_id] = reason
 
+    def check_workers(self) -> None:
+        """Raises WorkerError if a worker process died or went silent (a no-op in-process)."""
+        check = getattr(self.executor, "check", None)
+        if check is not None:
+            check()
+
     def restart_executor(self) -> list[str]:
         """After the executor's workers failed: starts them afresh with the same KV cache
         size and requeues every running request for recompute (the preemption path), so

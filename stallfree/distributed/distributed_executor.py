@@ -153,6 +153,10 @@ class DistributedExecutor:
             self.shutdown(grace=1.0)  # the others cannot finish their batch anyway
             raise WorkerError(failure)
 
+    def check(self) -> None:
+        """Raises WorkerError if a worker died, failed or went silent (when idle too)."""
+        self._check()
+
     def _silent_rank(self) -> str | None:
         """Why a rank counts as dead: its heartbeat stopped (a rank that never sent one is
         still starting; the startup timeout covers it)."""

@@ -59,6 +59,7 @@ class RequestFailedError(RuntimeError):
 MAX_CONSECUTIVE_FAILURES = 3
 # Worker restarts in a row (no step completing between them) before giving up.
 MAX_WORKER_RESTARTS = 3
+IDLE_CHECK_S = 1.0  # how often an idle engine's workers are looked at
 
 
 @dataclass
@@ -175,12 +176,23 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        check_workers = getattr(engine, "check_workers", None)
+        next_check = time.monotonic()
         try:
             while True:
                 self._drain(block=not engine.has_unfinished_requests())
                 if self._stopping:
                     self._fail_all(EngineDeadError("the server is shutting down"))
                     return
+                if check_workers is not None and not engine.has_unfinished_requests() \
+                        and time.monotonic() >= next_check:
+                    # Idle, nobody would notice a dead worker until the next request:
+                    # look now, so that it is restarted (or the server exits) meanwhile.
+                    next_check = time.monotonic() + IDLE_CHECK_S
+                    try:
+                        check_workers()
+                    except WorkerError as exc:
+                        self._restart_workers(exc)
                 if engine.has_unfinished_requests():
                     try:
                         self._step()
