@@ -26,8 +26,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def append(self, token_id: int) -> tuple[str, bool]:
-        """Adds a token; returns (new text, whether a stop string ended the text)."""
+    def append(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Adds a token; returns (new text, whether a stop string ended the text).
+
+        `check_stop` False (min_tokens not reached yet) lets a stop string pass, as in
+        vLLM: only one that ends after the new text counts later on."""
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset:])
@@ -35,12 +38,12 @@ class IncrementalDetokenizer:
             return "", False
         delta = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        return self._add_text(delta)
+        return self._add_text(delta, check_stop)
 
-    def _add_text(self, delta: str) -> tuple[str, bool]:
+    def _add_text(self, delta: str, check_stop: bool) -> tuple[str, bool]:
         start = len(self.text)
         self.text += delta
-        if self.stop and delta:
+        if self.stop and delta and check_stop:
             # Only a stop string that overlaps the new text can be new.
             search_from = max(0, start - self._max_stop_len + 1)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]

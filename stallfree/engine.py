@@ -52,7 +52,6 @@ _COMPILE_WAIT = 0.005
 
 logger = logging.getLogger("stallfree.engine")
 
-
 @dataclass
 class _Flight:
     """A submitted micro-batch whose result has not been applied yet."""
@@ -112,7 +111,13 @@ class LLMEngine:
             raise RuntimeError("cannot reconfigure an engine with unfinished requests")
         self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
                                           cache=cache_config)
-        scheduler_config = scheduler_config.resolved(self.model_config.max_position_embeddings)
+        limit = self.model_config.context_limit
+        if limit < self.model_config.max_position_embeddings and (
+                scheduler_config.max_model_len is None or scheduler_config.max_model_len > limit):
+            logger.warning("max_model_len capped at the model's sliding window (%d tokens): "
+                           "attention runs over the full context, which equals the windowed "
+                           "attention only within the window", limit)
+        scheduler_config = scheduler_config.resolved(limit)
         self.max_model_len = scheduler_config.max_model_len
         num_blocks = self._num_kv_blocks()
         # Cached KV is valid only for this model in this dtype: both name the cache's keys.
@@ -221,7 +226,7 @@ class LLMEngine:
         per stage, none holding a request already in flight), then completes the
         oldest micro-batch in flight.
         """
-        failed = self._start_compiled()
+        compile_failed = self._start_compiled()
         busy = {rid for f in self._in_flight for rid in f.record.request_ids}
         while len(self._in_flight) < self.executor.depth:
             start, cpu_start = time.monotonic(), time.thread_time()
@@ -235,27 +240,77 @@ class LLMEngine:
             busy.update(record.request_ids)
         if not self._in_flight:
             self._matchers.wait(_COMPILE_WAIT)  # unless no grammar is compiling
-            return StepResult([], failed, None)
+            return StepResult([], compile_failed, None)
         flight = self._in_flight.popleft()
         output = flight.output
         result = self.executor.receive()
         end = time.monotonic()
+        failed: dict[str, str] = {}
+        for child_id, reason in result.failed.items():  # before update: they have no token
+            self._fail(child_id, reason, failed)
         self.scheduler.update(output, result.sampled, end)
         record = dataclasses.replace(flight.record, end=end,
                                      cpu_time=time.thread_time() - flight.cpu_start,
                                      stage_times=tuple(result.stage_times))
         self.iterations.append(record)
-        # A chunk that ends mid-prompt produced nothing to report.
-        outputs = [self._emit(c.request_id, result.sampled[c.request_id],
-                              result.logprobs.get(c.request_id))
-                   for c in output.chunks
-                   if c.request_id in result.sampled and c.request_id in self._child_to_group]
-        finished = failed
+        outputs = []
+        for c in output.chunks:
+            # A chunk that ends mid-prompt produced nothing to report.
+            if c.request_id not in result.sampled or c.request_id not in self._child_to_group:
+                continue
+            try:
+                outputs.append(self._emit(c.request_id, result.sampled[c.request_id],
+                                          result.logprobs.get(c.request_id)))
+            except Exception as exc:  # noqa: BLE001 - e.g. its detokenizing: it fails alone
+                self._fail(c.request_id, f"{type(exc).__name__}: {exc}", failed)
+        finished = compile_failed
         for out in outputs:  # with n > 1, the last sequence to finish ends the request
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
                 finished.append(self._release(out.request_id))
-        return StepResult(outputs, finished, record)
+        return StepResult(outputs, finished, record, failed)
+
+    def _fail(self, child_id: str, reason: str, failed: dict[str, str]) -> None:
+        """Ends the request owning sequence `child_id` (all its sequences) after an error of
+        its own; `failed` gets its id and the reason."""
+        if child_id not in self._child_to_group:
+            return  # already ended (aborted meanwhile, or a sibling failed first)
+        request_id = self._child_to_group[child_id][0]
+        logger.warning("request %s failed and was ended: %s", request_id, reason)
+        self.abort_request(request_id)
+        failed[request_id] = reason
+
+    def check_workers(self) -> None:
+        """Raises WorkerError if a worker process died or went silent (a no-op in-process)."""
+        check = getattr(self.executor, "check", None)
+        if check is not None:
+            check()
+
+    def restart_executor(self) -> list[str]:
+        """After the executor's workers failed: starts them afresh with the same KV cache
+        size and requeues every running request for recompute (the preemption path), so
+        its client sees a delay, not an error; returns the ids requeued. Greedy and
+        seeded sequences continue with the tokens they would have had. Raises if the
+        executor cannot restart (an in-process model, or workers on other machines)."""
+        self._in_flight.clear()  # lost with the workers; none was applied
+        self.executor.restart()
+        bm = self.block_manager
+        self.executor.reset_kv(bm.num_total_blocks, bm.block_size)
+        requeued = self.scheduler.preempt_all()
+        logger.warning("workers restarted; %d running sequences requeued for recompute",
+                       len(requeued))
+        return requeued
+
+    def abort_all(self) -> list[str]:
+        """Ends every request and discards the batches in flight (after a failed step whose
+        cause no single request owns); returns the ids ended. The engine stays usable."""
+        ids = list(self._groups)
+        for request_id in ids:
+            self.abort_request(request_id)
+        while self._in_flight:  # their results belong to requests just ended
+            self._in_flight.popleft()
+            self.executor.receive()
+        return ids
 
     def _emit(self, child_id: str, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         parent_id, index = self._child_to_group[child_id]

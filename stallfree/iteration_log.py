@@ -11,6 +11,7 @@ import dataclasses
 import json
 import threading
 from pathlib import Path
+from typing import TextIO
 
 from .outputs import IterationRecord
 
@@ -20,9 +21,13 @@ _SKIPPED = ("request_ids",)  # long and private; the shape of the batch is what 
 class IterationLog:
     """Appends records to a file; line-buffered, so a killed server leaves whole lines."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file = open(self.path, "w", buffering=1)
+    def __init__(self, path: str | Path | TextIO) -> None:
+        """`path`: a file to (re)create, or a text stream already open for writing."""
+        if hasattr(path, "write"):
+            self.path, self._file = None, path
+        else:
+            self.path = Path(path)
+            self._file = open(self.path, "w", buffering=1)
         self._lock = threading.Lock()
 
     def header(self, **settings: object) -> None:
@@ -39,6 +44,13 @@ class IterationLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+    def close_quietly(self) -> None:
+        """Closes it, ignoring the error a full disk gives on flushing the last line."""
+        try:
+            self.close()
+        except (OSError, ValueError):
+            pass
 
 
 def read_iteration_log(path: str | Path) -> tuple[dict, list[IterationRecord]]:

@@ -115,6 +115,9 @@ class StepResult:
     # Requests whose every sequence is finished, already released by the engine.
     finished: list[RequestOutput]
     record: IterationRecord | None  # the iteration that completed; None when idle
+    # Requests that failed on their own (e.g. in their sampling or detokenizing): id ->
+    # reason. The engine has released them; the rest of the batch went on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,11 @@ class RequestGroup:
         delta, hit = "", False
         detokenizer = self.detokenizers[index]
         if not self.stop_hit[index]:
-            delta, hit = detokenizer.append(token)
+            # As stop tokens, stop strings count once min_tokens tokens exist (this one
+            # included: the scheduler has appended it already).
+            child = self.children[index]
+            delta, hit = detokenizer.append(
+                token, child.num_output_tokens >= child.sampling_params.min_tokens)
             self.stop_hit[index] = hit
         if logprobs is not None:
             self.logprobs[index].append(logprobs)

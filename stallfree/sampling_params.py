@@ -6,12 +6,18 @@ from typing import Any
 
 from .structured_outputs import KINDS, StructuredOutputs
 
+# Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing logits by
+# a smaller one overflows float32 (1e-40 is a denormal; logits / 1e-40 are inf or NaN),
+# and at 1e-5 the softmax already puts all the mass on the argmax.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; mirrors the OpenAI/vLLM field names.
 
-    temperature 0 means greedy. Every bad value raises ValueError naming the field.
+    temperature 0 means greedy, and so does any temperature below GREEDY_TEMPERATURE
+    (1e-5). Every bad value raises ValueError naming the field.
     """
 
     n: int = 1
@@ -82,7 +88,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

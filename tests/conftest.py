@@ -31,3 +31,11 @@ def hf_reference():
                                                  gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random-weight 2-layer Llama (see tiny_models.py): cheap to load and to serve."""
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))

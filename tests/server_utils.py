@@ -13,10 +13,12 @@ import httpx
 
 from stallfree.bench.systems import ServerProcess as LaunchedServer
 from stallfree.bench.systems import System, free_port
+from stallfree.executor.base import WorkerError
 from stallfree.outputs import (
     CompletionOutput,
     EngineInfo,
     EngineStats,
+    IterationRecord,
     RequestOutput,
     StepOutput,
     StepResult,
@@ -112,8 +114,10 @@ class FakeEngine:
     """Generates 'x' tokens, one per step per sequence; `gate` cleared = nothing runs.
 
     With `gate` cleared, every request stays waiting (to fill the queue);
-    `fail` set makes the next step raise (an engine crash). With `text` set, each
-    sequence writes that text instead, a character a step, then stops.
+    `fail` set makes every step raise (an engine crash), `fail_steps` the next so many;
+    a prompt starting with "!" fails that request alone at its first step (as if its
+    sampling raised). With `text` set, each sequence writes that text instead, a
+    character a step, then stops.
     """
 
     def __init__(self, step_delay: float = 0.01, text: str | None = None) -> None:
@@ -125,6 +129,12 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = threading.Event()
+        self.fail_steps = 0
+        # Workers that die: the next so many steps raise WorkerError; restart_executor()
+        # brings them back (requests keep their state, as recompute would give them).
+        self.worker_fail_steps = 0
+        self.executor = SimpleNamespace(restartable=True)
+        self.restarts = 0
         self._requests: dict[str, _FakeRequest] = {}
         self._stats = EngineStats(0, 0, 0.0, 100, 100)
         self.info = EngineInfo("cpu", "float32", "given", 1)
@@ -163,17 +173,35 @@ class FakeEngine:
         self._requests.pop(request_id, None)
         self._count()
 
+    def restart_executor(self) -> list[str]:
+        self.restarts += 1
+        return list(self._requests)
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._requests)
+        self._requests.clear()
+        self._count()
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return any(any(f is None for f in r.finish) for r in self._requests.values())
 
     def step(self) -> StepResult:
         time.sleep(self.step_delay)
-        if self.fail.is_set():
+        if self.worker_fail_steps > 0:
+            self.worker_fail_steps -= 1
+            raise WorkerError("worker rank 1 (pid 0) exited with code -9")
+        if self.fail.is_set() or self.fail_steps > 0:
+            self.fail_steps -= 1
             raise RuntimeError("simulated engine failure")
         if not self.gate.is_set():
             return StepResult([], [], None)
         now = time.monotonic()
         outs = []
+        failed = {rid: "simulated sampling failure" for rid, r in self._requests.items()
+                  if r.prompt[:1] == [ord("!")]}
+        for rid in failed:
+            del self._requests[rid]
         for rid, r in self._requests.items():
             if r.first_scheduled is None:
                 r.first_scheduled = now
@@ -190,10 +218,10 @@ class FakeEngine:
                 outs.append(StepOutput(rid, i, [ord(char)], char, r.finish[i]))
         finished = [self._release(rid) for rid, r in list(self._requests.items())
                     if all(f is not None for f in r.finish)]
-        record = SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=len(outs),
-                                 num_preempted=0)
+        record = IterationRecord(now, now, 0, len(outs), len(outs), 0,
+                                 decode_contexts=(1,) * len(outs))
         self._count()
-        return StepResult(outs, finished, record)
+        return StepResult(outs, finished, record, failed)
 
     def _release(self, request_id) -> RequestOutput:
         r = self._requests.pop(request_id)

@@ -17,6 +17,7 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.bench.systems import free_port
+from stallfree.distributed.channel import SECRET_ENV, new_secret
 from stallfree.distributed.distributed_executor import WorkerError
 
 CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -55,6 +56,24 @@ def single_tokens(small_model) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on `port` (from /proc/net/tcp*)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(addr)
+                    # /proc writes each 32-bit word in host (little-endian) order.
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+                    found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
 def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
@@ -66,6 +85,9 @@ def test_parallel_greedy_matches_single_process(small_model, single_tokens, tp, 
         records = list(llm.engine.iterations)
         workers = llm.engine.executor.workers
         procs = list(llm.engine.executor.procs)
+        store_port = llm.engine.executor.store.port
+        # Every rank is local: the control store listens on loopback alone.
+        assert _listening_addresses(store_port) == {"127.0.0.1"}
     assert [o.token_ids for o in outputs] == single_tokens
     assert len(workers) == tp * pp and all(len(r.stage_times) == pp for r in records)
     # Every worker process is gone once the LLM is shut down.
@@ -155,11 +177,7 @@ def test_worker_crash_fails_the_request(small_model):
 
 def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypatch):
     """The multi-machine path: rank 1 started by hand with the torch.distributed env."""
-    port = free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
-    remote = subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
+    remote = _remote_worker(monkeypatch)
     try:
         with LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == single_tokens[:3]
@@ -167,6 +185,37 @@ def test_worker_from_another_machine_joins(small_model, single_tokens, monkeypat
     finally:
         if remote.poll() is None:
             remote.kill()
+
+
+def _remote_worker(monkeypatch) -> subprocess.Popen:
+    """Rank 1 of 2, started by hand as on another machine (with the run's secret)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv(SECRET_ENV, new_secret().hex())
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
+    return subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
+
+
+def test_a_remote_worker_gone_silent_fails_the_engine(small_model, monkeypatch):
+    """A rank that hangs without exiting or reporting (a frozen machine, a cut network):
+    its heartbeat stops, and the engine fails instead of waiting forever."""
+    remote = _remote_worker(monkeypatch)
+    try:
+        with LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE) as llm:
+            llm.generate(PROMPTS[:1], GREEDY)
+            os.kill(remote.pid, signal.SIGSTOP)
+            with pytest.raises(WorkerError, match="rank 1 sent no heartbeat"):
+                llm.generate(PROMPTS[:2], GREEDY)
+    finally:
+        remote.kill()
+        remote.wait(timeout=30)
+
+
+def test_remote_workers_need_a_secret(small_model, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv("STALLFREE_WORKER_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        LLM(small_model, tensor_parallel_size=2, num_local_workers=1, **ENGINE)
 
 
 def test_generate_cli_with_parallel_flags(small_model, single_tokens):
@@ -190,8 +239,16 @@ def test_default_model_tp2_pp2_matches(default_llm):
 
 
 def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+    """Child processes of every thread of `pid` (workers restarted by the engine thread
+    are that thread's children)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return children
 
 
 def _gone(pid: int) -> bool:
@@ -202,32 +259,68 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_server_with_workers_fails_requests_on_a_crash_and_stops_cleanly(small_model):
-    from openai import APIError, OpenAI
+def test_server_restarts_crashed_workers_then_exits_when_it_cannot(small_model, tmp_path):
+    """A SIGKILLed worker mid-stream: the workers restart, every running request is
+    recomputed and every stream ends with the tokens of an undisturbed run. Workers that
+    cannot come back (the model is gone): the server exits non-zero, workers and all."""
+    import asyncio
+    import json
+    import shutil
+
+    import httpx
 
     from server_utils import ServerProcess
 
-    server = ServerProcess("--model", small_model, "-tp", "2", "--max-model-len", "256",
-                           "--served-model-name", "small")
+    model = tmp_path / "model"
+    shutil.copytree(small_model, model)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.text for o in LLM(str(model), **ENGINE).generate(PROMPTS, params)]
+    server = ServerProcess("--model", str(model), "-tp", "2", "--max-model-len", "256",
+                           "--max-num-batched-tokens", "16", "--served-model-name", "small")
     try:
         workers = _children(server.proc.pid)
         assert len(workers) == 2
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        ok = client.completions.create(model="small", prompt=PROMPTS[2], max_tokens=4,
-                                       temperature=0.0)
-        assert ok.choices[0].finish_reason in ("length", "stop")
-        os.kill(workers[1], signal.SIGKILL)
-        with pytest.raises(APIError):
-            client.completions.create(model="small", prompt=PROMPTS[3], max_tokens=50,
-                                      timeout=60)
-        import httpx
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-        # Ctrl-C reaches the whole process group: the server and its workers all end.
-        os.killpg(server.proc.pid, signal.SIGINT)
-        server.proc.wait(timeout=30)
+
+        async def scenario() -> list[str]:
+            started = [asyncio.Event() for _ in PROMPTS]
+
+            async def stream(i: int) -> str:
+                text, finish = "", None
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "small", "prompt": PROMPTS[i], "max_tokens": 24,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+                        finish = chunk["choices"][0]["finish_reason"] or finish
+                        started[i].set()
+                assert finish == "length"
+                return text
+
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+                tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                os.kill(workers[1], signal.SIGKILL)  # every stream is mid-way
+                return await asyncio.gather(*tasks)
+
+        assert asyncio.run(scenario()) == expected
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'stallfree:worker_restarts_total{model_name="small"} 1.0' in metrics
+        restarted = _children(server.proc.pid)
+        assert len(restarted) == 2 and not set(restarted) & set(workers)
+        # Now the workers cannot start again: the server must not linger answering 503.
+        shutil.rmtree(model)
+        os.kill(restarted[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=120) == 1
+        assert "workers failed and could not be restarted" in server.log_tail(), server.log_tail()
         deadline = time.monotonic() + 15
-        while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+        while not all(_gone(w) for w in restarted) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert all(_gone(w) for w in workers), "a worker outlived the server"
+        assert all(_gone(w) for w in restarted), "a worker outlived the server"
     finally:
         server.stop()

@@ -119,3 +119,51 @@ def test_logprobs_match_the_reference_distribution(default_llm, hf_reference):
     assert first.logprob == pytest.approx(float(ref[first.token_id]), abs=1e-4)
     assert [t for t, _ in first.top] == ref.topk(4).indices.tolist()
     assert default_llm.generate([ids], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None
+
+
+def test_tiny_temperatures_sample_greedily():
+    # 1e-40 is a float32 denormal: logits / 1e-40 would be inf/NaN and sample garbage.
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(4)) * 10
+    best = logits.argmax(dim=-1).tolist()
+    for temperature in (1e-40, 1e-20, 9.9e-6):
+        params = SamplingParams(temperature=temperature, seed=3)
+        assert params.greedy
+        assert Sampler(seed=5)(logits, [_req(params) for _ in range(3)]) == best
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_presence_penalty_counts_a_token_once():
+    logits = torch.tensor([[0.0, 5.0, 4.5, 1.0]])
+    once, thrice = [1], [1, 1, 1]
+    presence = SamplingParams(temperature=0, presence_penalty=0.6)
+    # 5.0 - 0.6 = 4.4 < 4.5 whether token 1 came once or three times.
+    assert Sampler()(logits, [_req(presence, outputs=once)]) == [2]
+    assert Sampler()(logits, [_req(presence, outputs=thrice)]) == [2]
+    frequency = SamplingParams(temperature=0, frequency_penalty=0.3)
+    assert Sampler()(logits, [_req(frequency, outputs=once)]) == [1]  # 4.7 still wins
+    assert Sampler()(logits, [_req(frequency, outputs=thrice)]) == [2]  # 4.1 loses
+    assert Sampler()(logits, [_req(presence)]) == [1]  # nothing generated yet: no penalty
+
+
+def test_min_p_keeps_tokens_at_least_p_times_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(300, 1)
+    # min_p 0.5 keeps p >= 0.25: tokens 0 and 1; 0.2 keeps p >= 0.1: tokens 0, 1 and 2.
+    for min_p, kept in ((0.5, {0, 1}), (0.2, {0, 1, 2})):
+        reqs = [_req(SamplingParams(min_p=min_p)) for _ in range(300)]
+        assert set(Sampler(seed=6)(logits, reqs)) == kept
+
+
+def test_min_tokens_holds_off_stop_strings_end_to_end(default_llm):
+    default_llm.reconfigure(token_budget=512, kv_cache_memory=None)
+    prompt = "1, 2, 3, 4,"
+    full = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0]
+    first = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                        stop=[","]))[0]
+    held = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                       stop=[","], min_tokens=4))[0]
+    assert first.text == full.text[:full.text.index(",")]
+    # The commas among the first 4 tokens pass; the text stops at the next one.
+    assert held.finish_reason == "stop" and "," in held.text and len(held.token_ids) >= 4
+    assert full.text.startswith(held.text) and len(held.text) > len(first.text)
+    assert full.text[len(held.text)] == ","

@@ -5,7 +5,7 @@ import pytest
 
 from stallfree.model.tokenizer import chat_prompt_ids
 from stallfree.server import DEFAULT_SERVED_MODEL_NAME, ServerConfig
-from stallfree.server.config import parse_port, parse_positive_int
+from stallfree.server.config import RequestLimits, parse_port, parse_positive_int
 
 
 def test_defaults_and_served_names(monkeypatch):
@@ -13,7 +13,8 @@ def test_defaults_and_served_names(monkeypatch):
     config = ServerConfig()
     assert (config.host, config.port, config.api_key, config.served_model_name,
             config.max_waiting_requests, config.iteration_log, config.uvicorn_log_level) == \
-        ("127.0.0.1", 8000, "from-env", None, None, None, "info")
+        ("127.0.0.1", 8000, "from-env", None, 1024, None, "info")
+    assert config.limits() == RequestLimits() and not config.public_metrics
     assert config.served_names(None) == [DEFAULT_SERVED_MODEL_NAME]
     assert config.served_names("/m/model.gguf") == ["/m/model.gguf"]
     named = ServerConfig(served_model_name=["a", "b"])
@@ -27,7 +28,10 @@ def test_defaults_and_served_names(monkeypatch):
     ("port", 70000), ("port", -1), ("port", "8000"), ("host", ""),
     ("served_model_name", []), ("served_model_name", ["a", ""]),
     ("max_waiting_requests", 0), ("max_waiting_requests", True),
-    ("iteration_log", 3), ("uvicorn_log_level", "loud"), ("api_key", 42)])
+    ("iteration_log", 3), ("uvicorn_log_level", "loud"), ("api_key", 42),
+    ("max_body_bytes", 0), ("max_prompts", -1), ("max_sequences", 1.5),
+    ("max_stop_strings", 17), ("max_stop_length", 0), ("max_stop_token_ids", True),
+    ("max_logprobs", 21), ("max_logprobs", -1), ("tokenizer_threads", 0)])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})

@@ -2,14 +2,18 @@
 
 The engine process holds no weights. It runs the TCPStore that is both the
 torch.distributed rendezvous and the message board: batch k goes under msg/k,
-every rank reads it, and TP rank 0 of the last stage answers under out/k.
-With PP = M, up to M batches are in flight: stage 0 starts batch k+1 while
-stage 1 still computes batch k.
+every rank reads it, and TP rank 0 of the last stage answers under out/k. Every
+message is typed and signed (channel.py). The store listens on loopback only when
+every rank is local, else on MASTER_ADDR's interface alone. With PP = M, up to M
+batches are in flight: stage 0 starts batch k+1 while stage 1 still computes batch
+k. A rank whose heartbeat stops for HEARTBEAT_DEADLINE_S fails the engine
+(`WorkerError`) instead of leaving it waiting.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,15 +23,23 @@ from collections import deque
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..executor.base import RunnerOutput
+from ..executor.base import RunnerOutput, WorkerError
 from ..executor.hardware import available_cores
 from ..scheduler.output import SchedulerOutput
-from . import channel
-from .worker import WorkerConfig, WorkerInfo
+from .channel import SECRET_ENV, Channel, new_secret, secret_from_env
+from .messages import (
+    KvMessage,
+    RunResult,
+    WorkerConfig,
+    WorkerInfo,
+    run_message,
+    runner_output,
+)
 
-
-class WorkerError(RuntimeError):
-    """A worker failed or exited; the engine cannot go on."""
+# A rank silent this long is taken for dead (it posts every 0.5 s; a busy rank too,
+# from its own thread).
+HEARTBEAT_DEADLINE_S = 10.0
+LOOPBACK = "127.0.0.1"
 
 
 def threads_per_worker(world_size: int, requested: int | None = None) -> int | None:
@@ -41,29 +53,80 @@ def threads_per_worker(world_size: int, requested: int | None = None) -> int | N
     return max(1, available_cores() // world_size)
 
 
+def _listening_socket(addr: str, port: int) -> socket.socket:
+    """A socket listening on `addr` only (TCPStore alone would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class DistributedExecutor:
     def __init__(self, worker_config: WorkerConfig, parallel: ParallelConfig) -> None:
         self.depth = parallel.pipeline_parallel_size  # micro-batches in flight at most
         self.world_size = parallel.world_size
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        # Port 0: the store binds a free port itself (no pick-then-bind race).
-        self.store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT") or 0), is_master=True,
-                                   wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-        port = self.store.port
-        channel.put(self.store, "config", worker_config)
+        self._worker_config, self._parallel = worker_config, parallel
+        self._start()
+
+    @property
+    def restartable(self) -> bool:
+        """Only workers this process started can be started again."""
+        return self._num_local == self.world_size
+
+    def restart(self) -> None:
+        """Stops whatever is left of the workers and starts them all afresh (a new store,
+        so nothing of the old run's messages remains); the KV cache must be reset after."""
+        if not self.restartable:
+            raise WorkerError("workers on other machines cannot be restarted from here: "
+                              "restart them and the server")
+        self.shutdown(grace=1.0)
+        self._start()
+
+    def _start(self) -> None:
+        worker_config, parallel = self._worker_config, self._parallel
         local = self.world_size if parallel.num_local_workers is None \
             else parallel.num_local_workers
-        self.procs = [self._launch(rank, addr, port, local) for rank in range(local)]
+        self._num_local = local
+        all_local = local == self.world_size
+        # Every rank here: nothing needs to reach the store from outside this machine.
+        addr = LOOPBACK if all_local else os.environ.get("MASTER_ADDR", LOOPBACK)
+        secret = secret_from_env()
+        if secret is None:
+            if not all_local:
+                raise ValueError(f"workers on other machines need the run's secret: set "
+                                 f"{SECRET_ENV} (e.g. `openssl rand -hex 32`) here and there "
+                                 f"(docs/parallelism.md)")
+            secret = new_secret()
+        self._secret = secret
+        # Port 0: the socket binds a free port itself (no pick-then-bind race).
+        sock = _listening_socket(addr, int(os.environ.get("MASTER_PORT") or 0))
+        port = sock.getsockname()[1]
+        self.store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60),
+                                   master_listen_fd=sock.detach())
+        self.channel = Channel(self.store, secret)
+        self.channel.put("config", worker_config)
+        self.procs = [self._launch(rank, addr, port, local, all_local) for rank in range(local)]
         # Stops the workers when the engine is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop_workers, self.store, self.procs)
         self._next = 0  # index of the next message
         self._in_flight: deque[int] = deque()
+        self._heartbeats: dict[int, tuple[int, float]] = {}  # rank -> (last count, seen at)
         self.workers: list[WorkerInfo] = self._wait_ready(parallel.startup_timeout)
 
-    def _launch(self, rank: int, addr: str, port: int, local: int) -> subprocess.Popen:
+    def _launch(self, rank: int, addr: str, port: int, local: int,
+                all_local: bool) -> subprocess.Popen:
         env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(local))
+                   LOCAL_WORLD_SIZE=str(local), **{SECRET_ENV: self._secret.hex()})
+        if all_local:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
         return subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env)
 
     def _wait_ready(self, timeout: float) -> list[WorkerInfo]:
@@ -74,7 +137,8 @@ class DistributedExecutor:
             if time.monotonic() > deadline:
                 self.shutdown()
                 raise WorkerError(f"workers did not load their shards within {timeout:.0f} s")
-        return [channel.get(self.store, f"ready/{r}", check) for r in range(self.world_size)]
+        return [self.channel.get(f"ready/{r}", WorkerInfo, check)
+                for r in range(self.world_size)]
 
     def _check(self) -> None:
         """Raises WorkerError (after stopping every worker) if any worker failed."""
@@ -85,15 +149,38 @@ class DistributedExecutor:
                 failure = f"worker rank {rank} (pid {proc.pid}) exited with code " \
                           f"{proc.returncode}"
                 break
-        if failure is None and self.store.check(["error"]):
-            failure = channel.get(self.store, "error")
+        if failure is None and self.channel.has("error"):
+            failure = self.channel.read("error", str)
+        if failure is None:
+            failure = self._silent_rank()
         if failure is not None:
             self.shutdown(grace=1.0)  # the others cannot finish their batch anyway
             raise WorkerError(failure)
 
-    def _send(self, kind: str, payload: object) -> int:
+    def check(self) -> None:
+        """Raises WorkerError if a worker died, failed or went silent (when idle too)."""
+        self._check()
+
+    def _silent_rank(self) -> str | None:
+        """Why a rank counts as dead: its heartbeat stopped (a rank that never sent one is
+        still starting; the startup timeout covers it)."""
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            key = f"hb/{rank}"
+            if not self.channel.has(key):
+                continue
+            count = self.channel.read(key, int)
+            last = self._heartbeats.get(rank)
+            if last is None or last[0] != count:
+                self._heartbeats[rank] = (count, now)
+            elif now - last[1] > HEARTBEAT_DEADLINE_S:
+                return (f"worker rank {rank} sent no heartbeat for {now - last[1]:.0f} s "
+                        f"(its machine or process hangs, or the network is cut)")
+        return None
+
+    def _send(self, message: object) -> int:
         index, self._next = self._next, self._next + 1
-        channel.put(self.store, f"msg/{index}", (kind, payload))
+        self.channel.put(f"msg/{index}", message)
         return index
 
     # ---- the executor interface (executor/base.py) -----------------------------
@@ -104,22 +191,23 @@ class DistributedExecutor:
     def reset_kv(self, num_blocks: int, block_size: int) -> None:
         """(Re)allocates every rank's KV cache; waits until all have done it."""
         assert not self._in_flight, "KV cache reset with batches in flight"
-        index = self._send("kv", (num_blocks, block_size))
+        index = self._send(KvMessage(num_blocks, block_size))
         for rank in range(self.world_size):
-            channel.get(self.store, f"ack/{index}/{rank}", self._check)
-            channel.delete(self.store, f"ack/{index}/{rank}")
+            self.channel.get(f"ack/{index}/{rank}", bool, self._check)
+            self.channel.delete(f"ack/{index}/{rank}")
 
     def submit(self, output: SchedulerOutput) -> None:
-        self._in_flight.append(self._send("run", output))
+        self._in_flight.append(self._send(run_message(output)))
 
     def receive(self) -> RunnerOutput:
         """The result of the oldest batch in flight (waits for it)."""
         index = self._in_flight.popleft()
-        result: RunnerOutput = channel.get(self.store, f"out/{index}", self._check)
+        result = runner_output(self.channel.get(f"out/{index}", RunResult, self._check))
         times = [f"times/{index}/{stage}" for stage in range(self.depth)]
-        result.stage_times = [channel.get(self.store, key, self._check) for key in times]
+        result.stage_times = [self.channel.get(key, tuple[float, float], self._check)
+                              for key in times]
         # Every rank has read msg/index: the last stage could not finish without them.
-        channel.delete(self.store, f"msg/{index}", f"out/{index}", *times)
+        self.channel.delete(f"msg/{index}", f"out/{index}", *times)
         return result
 
     def shutdown(self, grace: float = 10.0) -> None:

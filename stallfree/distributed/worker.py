@@ -2,46 +2,37 @@
 
 Started by the engine for local ranks, or by hand (`stallfree worker`) on other
 machines with the standard torch.distributed environment: MASTER_ADDR and
-MASTER_PORT (the engine's store), RANK, WORLD_SIZE and LOCAL_RANK.
+MASTER_PORT (the engine's store), RANK, WORLD_SIZE and LOCAL_RANK, plus the run's
+secret ($STALLFREE_WORKER_SECRET or $STALLFREE_WORKER_SECRET_FILE) that signs every
+message (docs/parallelism.md). A thread posts a heartbeat every HEARTBEAT_S, so the
+engine notices a rank that hangs or vanishes without a word.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import sys
+import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import channel
+from .channel import Channel, secret_from_env
+from .messages import (
+    KvMessage,
+    Message,
+    RunMessage,
+    WorkerConfig,
+    WorkerInfo,
+    result_message,
+    worker_batch,
+)
+
+__all__ = ["WorkerConfig", "WorkerInfo", "main"]
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
-
-
-@dataclass
-class WorkerConfig:
-    """What the engine publishes for every rank under the store key "config"."""
-
-    model: str | None
-    dtype: str  # torch dtype name, e.g. "float32"
-    device_type: str  # "cpu" or "cuda"
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    seed: int
-    num_threads: int | None  # CPU threads per worker; None leaves torch's default
-
-
-@dataclass
-class WorkerInfo:
-    """A rank's report once its shard is loaded (key "ready/<rank>")."""
-
-    rank: int
-    pid: int
-    host: str
-    weight_bytes: int
-    free_memory: int | None  # accelerator memory left after the weights; None on CPU
+HEARTBEAT_S = 0.5
 
 
 def main() -> int:
@@ -49,33 +40,61 @@ def main() -> int:
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        secret = secret_from_env()
     except KeyError as exc:
         print(f"stallfree worker: {exc.args[0]} is not set (needs MASTER_ADDR, MASTER_PORT, "
               f"RANK, WORLD_SIZE)", file=sys.stderr)
         return 2
+    except (ValueError, OSError) as exc:
+        print(f"stallfree worker: {exc}", file=sys.stderr)
+        return 2
+    if secret is None:
+        print("stallfree worker: no secret: set STALLFREE_WORKER_SECRET (or "
+              "STALLFREE_WORKER_SECRET_FILE) to the engine's", file=sys.stderr)
+        return 2
     store = dist.TCPStore(addr, port, is_master=False, timeout=_STORE_TIMEOUT)
+    channel = Channel(store, secret)
+    _start_heartbeat(addr, port, secret, rank)
     try:
-        _serve(store, rank, world, int(env.get("LOCAL_RANK", rank)))
+        _serve(channel, rank, world, int(env.get("LOCAL_RANK", rank)))
     except KeyboardInterrupt:
         return 130
     except SystemExit as stop:  # asked to stop, or the engine is gone
         return int(stop.code or 0)
     except BaseException as exc:  # noqa: BLE001 - report any failure to the engine, then exit
         try:
-            channel.put(store, "error", f"worker rank {rank} failed: {type(exc).__name__}: "
-                                        f"{str(exc)[:500]} (traceback in its stderr)")
+            channel.put("error", f"worker rank {rank} failed: {type(exc).__name__}: "
+                                 f"{str(exc)[:500]} (traceback in its stderr)")
         except Exception:  # noqa: BLE001 - the store itself may be gone
             pass
         raise
     return 0
 
 
-def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
+def _start_heartbeat(addr: str, port: int, secret: bytes, rank: int) -> None:
+    """Posts hb/<rank> = a counter every HEARTBEAT_S, on its own connection (a store
+    client is not shared between threads), until the process ends."""
+    def beat() -> None:
+        try:
+            channel = Channel(dist.TCPStore(addr, port, is_master=False,
+                                            timeout=_STORE_TIMEOUT), secret)
+            count = 0
+            while True:
+                channel.put(f"hb/{rank}", count)
+                count += 1
+                time.sleep(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - the engine is gone; the main thread notices too
+            return
+
+    threading.Thread(target=beat, name="stallfree-heartbeat", daemon=True).start()
+
+
+def _serve(channel: Channel, rank: int, world: int, local_rank: int) -> None:
     from ..model.loader import load_model
     from ..model.parallel import Shard
     from .pipe import StagePipe
 
-    cfg: WorkerConfig = channel.get(store, "config")
+    cfg = channel.get("config", WorkerConfig)
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     if tp * pp != world:
         raise ValueError(f"WORLD_SIZE {world} != tensor x pipeline parallel size {tp} x {pp}")
@@ -87,7 +106,7 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
         device, backend = torch.device("cpu"), "gloo"
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", channel.store), rank=rank,
                             world_size=world)
     # Every rank creates every TP group, in the same order, as new_group requires.
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
@@ -97,16 +116,16 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
     pipe = StagePipe(rank, tp, model_config.hidden_size, dtype, device) if pp > 1 else None
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    channel.put(store, f"ready/{rank}", WorkerInfo(rank, os.getpid(), os.uname().nodename,
-                                                   weight_bytes, free))
+    channel.put(f"ready/{rank}", WorkerInfo(rank, os.getpid(), os.uname().nodename,
+                                            weight_bytes, free))
     parent = os.getppid()
 
     def check() -> None:
-        if store.check(["stop"]) or os.getppid() != parent:
+        if channel.has("stop") or os.getppid() != parent:
             raise SystemExit(0)
 
     try:
-        _loop(store, rank, shard, model, model_config, dtype, device, cfg.seed, pipe, check)
+        _loop(channel, rank, shard, model, model_config, dtype, device, cfg.seed, pipe, check)
     except SystemExit:  # a clean stop: every batch is done, so pending sends complete
         if pipe is not None:
             pipe.flush()
@@ -114,7 +133,7 @@ def _serve(store: dist.Store, rank: int, world: int, local_rank: int) -> None:
         raise
 
 
-def _loop(store: dist.Store, rank: int, shard, model, model_config, dtype: torch.dtype,
+def _loop(channel: Channel, rank: int, shard, model, model_config, dtype: torch.dtype,
           device: torch.device, seed: int, pipe, check) -> None:
     """Runs messages msg/0, msg/1, ... in order until `check` raises SystemExit."""
     from ..executor.model_runner import ModelRunner
@@ -123,21 +142,20 @@ def _loop(store: dist.Store, rank: int, shard, model, model_config, dtype: torch
     runner = None
     index = 0
     while True:
-        kind, payload = channel.get(store, f"msg/{index}", check)
-        if kind == "kv":  # (re)allocate the KV cache: (num_blocks, block_size)
+        # A message that fails its signature raises here: nothing of it runs.
+        message = channel.get(f"msg/{index}", Message, check)
+        if isinstance(message, KvMessage):  # (re)allocate the KV cache
             runner = None  # free the old cache first
-            runner = ModelRunner(model, model_config, *payload, dtype, device, seed, pipe)
-            channel.put(store, f"ack/{index}/{rank}", True)
-        elif kind == "run":
+            runner = ModelRunner(model, model_config, message.num_blocks, message.block_size,
+                                 dtype, device, seed, pipe)
+            channel.put(f"ack/{index}/{rank}", True)
+        elif isinstance(message, RunMessage):
             start = time.monotonic()
-            result = runner.execute(payload)
+            result = runner.execute(worker_batch(message))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # kernels run async: time their end, not launch
             if shard.tp_rank == 0:
-                channel.put(store, f"times/{index}/{shard.pp_rank}", (start, time.monotonic()))
+                channel.put(f"times/{index}/{shard.pp_rank}", (start, time.monotonic()))
             if reporter:
-                channel.put(store, f"out/{index}", result)
-        else:
-            raise ValueError(f"unknown message {kind!r}")
+                channel.put(f"out/{index}", result_message(result))
         index += 1
-

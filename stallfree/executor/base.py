@@ -8,12 +8,18 @@ from ..outputs import TokenLogprobs
 from ..scheduler.output import SchedulerOutput
 
 
+class WorkerError(RuntimeError):
+    """A worker failed or exited; the executor cannot go on until restarted."""
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where requested
     # (start, end) of this batch on each pipeline stage, monotonic clock; empty in-process.
     stage_times: list[tuple[float, float]] = field(default_factory=list)
+    # Requests whose sampling raised (request id -> reason); the batch's others sampled.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -24,6 +30,7 @@ class Executor(Protocol):
     """
 
     depth: int  # micro-batches in flight at most (the pipeline's stages)
+    restartable: bool  # whether restart() can bring failed workers back
 
     def free_memory(self) -> int | None:
         """Accelerator bytes free for the KV cache after the weights (the least over
@@ -35,6 +42,10 @@ class Executor(Protocol):
     def submit(self, output: SchedulerOutput) -> None: ...
 
     def receive(self) -> RunnerOutput: ...
+
+    def restart(self) -> None:
+        """Starts the workers afresh after a failure (KV cache and batches in flight
+        lost; reset_kv must follow)."""
 
     def shutdown(self) -> None:
         """Stops worker processes, if any; the executor is unusable after."""

@@ -14,6 +14,7 @@ from .model_runner import ModelRunner
 
 class LocalExecutor:
     depth = 1
+    restartable = False  # the model is this process: nothing to restart
 
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, seed: int = 0) -> None:
@@ -40,6 +41,9 @@ class LocalExecutor:
 
     def receive(self) -> RunnerOutput:
         return self._done.popleft()
+
+    def restart(self) -> None:
+        raise RuntimeError("an in-process executor has no workers to restart")
 
     def shutdown(self) -> None:
         self._done.clear()

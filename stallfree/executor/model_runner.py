@@ -39,8 +39,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.pipe = pipe
-        self.kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
-                                          self.shard)
+        # One block past those the scheduler hands out stays zero: padded decode rows
+        # read it (see clean_kv_blocks).
+        self.kv_cache = allocate_kv_cache(model_config, num_blocks + 1, block_size, dtype,
+                                          device, self.shard)
+        self.null_block = num_blocks
         self.workspace = GatherWorkspace()
         self.sampler = Sampler(seed)
 
@@ -59,9 +62,10 @@ class ModelRunner:
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
-        metadata = AttentionMetadata.build(
-            [(c.start, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device,
-            self.workspace)
+        seqs = [(c.start, c.num_tokens, c.block_table) for c in chunks]
+        clean_kv_blocks(self.kv_cache, seqs, self.block_size)
+        metadata = AttentionMetadata.build(seqs, self.block_size, self.device, self.workspace,
+                                           pad_block=self.null_block)
         hidden_in = None if self.shard.is_first_stage else self.pipe.recv(len(token_ids))
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
@@ -78,7 +82,48 @@ class ModelRunner:
         if self.shard.tp_rank != 0:
             return RunnerOutput()
         requests = [c.request for c in sampling]
-        tokens = self.sampler(logits, requests, output.token_bitmask, output.bitmask_rows)
-        logprobs = token_logprobs(logits, tokens, requests)
+        try:
+            tokens = self.sampler(logits, requests, output.token_bitmask, output.bitmask_rows)
+            logprobs = token_logprobs(logits, tokens, requests)
+        except Exception:  # noqa: BLE001 - find the request(s) at fault, sample the rest
+            return self._sample_one_by_one(logits, requests, output)
         return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
                             {requests[i].request_id: lp for i, lp in logprobs.items()})
+
+    def _sample_one_by_one(self, logits: torch.Tensor, requests: list,
+                           output: SchedulerOutput) -> RunnerOutput:
+        """After the batch's sampling raised: each request alone, so that an error of one
+        (its parameters, its logits processing) fails that request only."""
+        result = RunnerOutput()
+        for row, request in enumerate(requests):
+            rid = request.request_id
+            try:
+                token = self.sampler(logits[row:row + 1], [request], output.token_bitmask,
+                                     output.bitmask_rows)[0]
+                logprobs = token_logprobs(logits[row:row + 1], [token], [request])
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported back
+                result.failed[rid] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            result.sampled[rid] = token
+            if 0 in logprobs:
+                result.logprobs[rid] = logprobs[0]
+        return result
+
+
+def clean_kv_blocks(kv_cache: torch.Tensor, seqs: list[tuple[int, int, list[int]]],
+                    block_size: int) -> None:
+    """Zeroes each chunk's last block when the chunk starts it and leaves part of it unwritten.
+
+    Attention masks a sequence's slots past its length, but a masked key still enters
+    the product (0 x NaN is NaN): a NaN its previous owner left there would poison
+    every later token. Blocks a chunk fills completely are overwritten anyway, and a
+    block begun by an earlier chunk has only this request's data.
+    """
+    fresh = []
+    for start, num_tokens, table in seqs:
+        end = start + num_tokens
+        last = (end - 1) // block_size
+        if end % block_size and last * block_size >= start:
+            fresh.append(table[last])
+    if fresh:
+        kv_cache[:, :, fresh] = 0

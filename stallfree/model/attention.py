@@ -77,12 +77,15 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int,
-              device: torch.device | str,
-              workspace: GatherWorkspace | None = None) -> AttentionMetadata:
+              device: torch.device | str, workspace: GatherWorkspace | None = None,
+              pad_block: int = 0) -> AttentionMetadata:
         """seqs in batch-row order: (start_pos, num_new_tokens, block_table).
 
         start_pos is the number of tokens already cached. Entries with more than one
         new token (prefill chunks) must precede single-token entries (decodes).
+        `pad_block` fills the decode tables of shorter rows: masked keys still enter
+        the product (0 x NaN is NaN), so it should be a block nobody writes (the
+        runner keeps one zeroed), not another request's.
         """
         seen_decode = False
         for i, (start, n, table) in enumerate(seqs):
@@ -100,7 +103,7 @@ class AttentionMetadata:
         # Slot mapping, vectorised over tokens: pad all tables into one tensor and
         # look each token's block up by (sequence, position // block_size).
         max_blocks = max((len(t) for _, _, t in seqs), default=0)
-        tables = torch.zeros((len(seqs), max(max_blocks, 1)), dtype=torch.int64)
+        tables = torch.full((len(seqs), max(max_blocks, 1)), pad_block, dtype=torch.int64)
         for i, (_, _, table) in enumerate(seqs):
             tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
         counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.int64)

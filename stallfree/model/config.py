@@ -8,7 +8,7 @@ ARCHITECTURES = ("llama", "qwen2")
 
 # HF `architectures` entries we can run, mapped to our architecture name.
 # Mistral is a Llama with a different name (its sliding window only matters
-# beyond the window, see `sliding_window` below).
+# beyond the window: `context_limit` keeps sequences within it).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -40,8 +40,8 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # Kept for information only: we attend to the full context, which equals
-    # sliding-window attention as long as sequences stay shorter than it.
+    # We attend to the full context, which equals sliding-window attention as long as
+    # sequences stay within the window: `context_limit` caps max_model_len at it.
     sliding_window: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +55,15 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this engine runs exactly: the position limit, or the
+        sliding window when it is shorter (beyond it, full attention would differ from
+        the model's windowed attention; we cap rather than mask)."""
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window
+        return self.max_position_embeddings
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -330,6 +330,15 @@ class Scheduler:
         batch.remove(request.request_id)
         batch.preempted.append(request.request_id)
 
+    def preempt_all(self) -> list[str]:
+        """Requeues every running request for recompute, in admission order, at the front
+        of the queue (their KV cache is lost: the workers holding it were restarted);
+        returns their ids."""
+        batch = Batch(self.config.token_budget)
+        for request in reversed(list(self.running)):  # the tail first: the head ends up first
+            self._preempt(batch, request)
+        return batch.preempted
+
     # ---- after the executor ---------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[str, int],
                now: float) -> list[Request]:

@@ -9,9 +9,17 @@ runs a function on the engine thread, e.g. to reset the prefix cache), and
 a slow client never slows the batch: its deltas just pile up in its own queue.
 
 Failure rules: a request the engine refuses (ValueError) fails alone; a full
-waiting queue refuses at once (`QueueFullError`); if the loop itself fails,
-every in-flight request and every later submission gets `EngineDeadError`, so
-nobody waits forever.
+waiting queue refuses at once (`QueueFullError`); a request that fails on its own
+in a step (its sampling, its detokenizing) gets `RequestFailedError` and the batch
+goes on. Workers that fail (`WorkerError`) are restarted and every running request
+recomputed, so clients see a delay, not an error (up to `MAX_WORKER_RESTARTS` in a
+row). A step that fails for no one request's fault fails the requests it held
+(`RequestFailedError`) and the engine goes on with the next ones; a failing
+iteration log is closed and serving goes on. Only when steps keep failing
+(`MAX_CONSECUTIVE_FAILURES` in a row) or recovery itself fails is the engine dead:
+every in-flight request and every later submission gets `EngineDeadError`, /health
+answers 503, and `on_fatal` runs (the server then exits non-zero, for its
+supervisor to restart it), so nobody waits forever on a process that cannot serve.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..executor.base import WorkerError
 from ..iteration_log import IterationLog
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
@@ -40,6 +49,18 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds --max-waiting-requests sequences already."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed in the engine (the engine itself goes on)."""
+
+
+# Failed steps in a row after which the engine is declared dead: recovery ends every
+# request, so a failure that outlives that is the engine's, not a request's.
+MAX_CONSECUTIVE_FAILURES = 3
+# Worker restarts in a row (no step completing between them) before giving up.
+MAX_WORKER_RESTARTS = 3
+IDLE_CHECK_S = 1.0  # how often an idle engine's workers are looked at
 
 
 @dataclass
@@ -77,7 +98,8 @@ class AsyncEngine:
     def __init__(self, engine: Any, model_name: str = "model",
                  max_waiting_requests: int | None = None,
                  metrics: ServerMetrics | None = None,
-                 iteration_log: IterationLog | None = None) -> None:
+                 iteration_log: IterationLog | None = None,
+                 on_fatal: Callable[[], None] | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
         self.engine = engine
@@ -86,10 +108,13 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics(model_name)
         self.metrics.set_engine_info(engine.info)
         self.iteration_log = iteration_log
+        self.on_fatal = on_fatal  # runs once, on the engine thread, when the engine dies
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._failures = 0  # failed steps in a row
+        self._restarts = 0  # worker restarts in a row
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
@@ -99,6 +124,11 @@ class AsyncEngine:
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def crashed(self) -> bool:
+        """Dead by a failure (not by shutdown): the process should exit non-zero."""
+        return self._dead is not None and not self._stopping
 
     @property
     def dead_reason(self) -> str | None:
@@ -111,16 +141,21 @@ class AsyncEngine:
             self._commands.put(command)
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          out: asyncio.Queue, arrival_time: float | None = None) -> None:
+                          out: asyncio.Queue, arrival_time: float | None = None,
+                          call: tuple[int, int] | None = None) -> None:
         """Submits a request whose StepOutputs, then final RequestOutput, go to `out`.
 
-        Raises ValueError (bad request), QueueFullError or EngineDeadError.
-        Errors after acceptance arrive in `out` as exception objects.
+        `call`: for one prompt of a call of several, the sequences the call submitted
+        before it and those still to submit, this one's included (the queue limit
+        weighs the whole call at its first prompt). Raises ValueError (bad request),
+        QueueFullError or EngineDeadError. Errors after acceptance arrive in `out` as
+        exception objects.
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._put(("add", request_id, prompt, params, loop, out, fut, arrival))
+        call = call or (0, params.n)
+        self._put(("add", request_id, prompt, params, loop, out, fut, arrival, call))
         await fut
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -152,19 +187,81 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        check_workers = getattr(engine, "check_workers", None)
+        next_check = time.monotonic()
         try:
             while True:
                 self._drain(block=not engine.has_unfinished_requests())
                 if self._stopping:
                     self._fail_all(EngineDeadError("the server is shutting down"))
                     return
+                if check_workers is not None and not engine.has_unfinished_requests() \
+                        and time.monotonic() >= next_check:
+                    # Idle, nobody would notice a dead worker until the next request:
+                    # look now, so that it is restarted (or the server exits) meanwhile.
+                    next_check = time.monotonic() + IDLE_CHECK_S
+                    try:
+                        check_workers()
+                    except WorkerError as exc:
+                        self._restart_workers(exc)
                 if engine.has_unfinished_requests():
-                    self._step()
+                    try:
+                        self._step()
+                        self._failures = self._restarts = 0
+                    except WorkerError as exc:
+                        self._restart_workers(exc)
+                    except Exception as exc:  # noqa: BLE001 - recover, or die below
+                        self._recover(exc)
                 self._update_gauges()
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop
+        except BaseException as exc:  # noqa: BLE001 - any failure to recover kills the loop
             logger.exception("engine loop failed; failing every request")
             self._fail_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"),
                            cause=exc)
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def _restart_workers(self, exc: WorkerError) -> None:
+        """Workers died: start them again and recompute what ran; raises (the engine then
+        dies) when they cannot be restarted or keep failing."""
+        self._restarts += 1
+        if not getattr(self.engine.executor, "restartable", False) \
+                or self._restarts > MAX_WORKER_RESTARTS:
+            raise RuntimeError(f"workers failed and could not be restarted ({self._restarts - 1} "
+                               f"restarts in a row): {exc}") from exc
+        logger.error("workers failed (%s); restarting them (%d in a row)", exc, self._restarts)
+        try:
+            self.engine.restart_executor()
+        except Exception as err:  # noqa: BLE001 - the engine dies with this reason
+            raise RuntimeError(f"workers failed and could not be restarted: {err}") from err
+        self.metrics.worker_restarts.inc()
+
+    def _recover(self, exc: Exception) -> None:
+        """After a step failed for no single request's fault: fails the requests the engine
+        held, leaves it empty and usable; raises when failures persist."""
+        self._failures += 1
+        if self._failures > MAX_CONSECUTIVE_FAILURES:
+            raise RuntimeError(f"{MAX_CONSECUTIVE_FAILURES} steps in a row failed; "
+                               f"the last: {type(exc).__name__}: {exc}") from exc
+        logger.exception("an engine step failed; failing the requests it held")
+        error = RequestFailedError(f"the engine failed while running this request "
+                                   f"({type(exc).__name__}: {exc}); retry it")
+        self.engine.abort_all()
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for tracked in self._tracked.values():
+            deliveries.setdefault(tracked.loop, []).append((tracked.queue, error))
+        self._tracked.clear()
+        self._deliver(deliveries)
+
+    def _write_log(self, record: Any) -> None:
+        """One iteration record; a log that cannot be written (disk full) is dropped,
+        never the server."""
+        try:
+            self.iteration_log.write(record)
+        except (OSError, ValueError) as exc:
+            logger.error("the iteration log failed (%s); it is closed and no longer "
+                         "written, serving goes on", exc)
+            log, self.iteration_log = self.iteration_log, None
+            log.close_quietly()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -182,15 +279,18 @@ class AsyncEngine:
         kind = command[0]
         engine = self.engine
         if kind == "add":
-            _, rid, prompt, params, loop, out, fut, arrival = command
+            _, rid, prompt, params, loop, out, fut, arrival, (before, remaining) = command
             if fut.cancelled():
                 return
             limit = self.max_waiting_requests
             waiting = engine.stats().num_waiting
-            if limit is not None and waiting >= limit:
+            # Sequences, not requests: n and every prompt of the call count. A queue
+            # holding none but the call's own takes any call (--max-sequences bounds it),
+            # so that none is refused forever.
+            if limit is not None and waiting > before and waiting + remaining > limit:
                 _reply(loop, fut, error=QueueFullError(
-                    f"the server is busy: {waiting} sequences are waiting "
-                    f"(--max-waiting-requests {limit}); retry later"))
+                    f"the server is busy: {waiting} sequences are waiting and this asks for "
+                    f"{remaining} more (--max-waiting-requests {limit}); retry later"))
                 return
             try:
                 if isinstance(prompt, str):
@@ -224,7 +324,7 @@ class AsyncEngine:
         if record is not None:
             metrics.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
             if self.iteration_log is not None:
-                self.iteration_log.write(record)
+                self._write_log(record)
             if record.num_preempted:
                 metrics.preemptions.inc(record.num_preempted)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
@@ -246,6 +346,11 @@ class AsyncEngine:
                 continue
             deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
             metrics.observe_finished(final)
+        for rid, reason in step.failed.items():  # already released by the engine
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                deliveries.setdefault(tracked.loop, []).append(
+                    (tracked.queue, RequestFailedError(f"this request failed: {reason}")))
         self._deliver(deliveries)
 
     @staticmethod
@@ -324,11 +429,12 @@ class Generation:
         self._submitted: list[str] = []
 
     async def start(self) -> None:
+        n, total = self.params.n, self.params.n * len(self.prompts)
         try:
-            for rid, prompt in zip(self.request_ids, self.prompts):
+            for i, (rid, prompt) in enumerate(zip(self.request_ids, self.prompts)):
                 self._submitted.append(rid)  # abort it too if we are cancelled mid-add
                 await self.engine.add_request(rid, prompt, self.params, self.queue,
-                                              self.arrival_time)
+                                              self.arrival_time, (i * n, total - i * n))
         except BaseException:
             self.abort()
             raise

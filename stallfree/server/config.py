@@ -5,11 +5,12 @@ and the command line builds one flag per field from them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import option
+from ..config import option, parse_size
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -54,19 +55,75 @@ def _api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV)
 
 
+# The request schema's own caps (server/protocol.py): a limit may lower them, not raise them.
+SCHEMA_MAX_STOP = 16
+SCHEMA_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the server; each is refused with a 400 naming its flag
+    (413 for the body). The defaults fit any honest client of a ~100K-token model."""
+
+    max_body_bytes: int = 4 << 20  # a 100K-token prompt as token ids is ~700 KB of JSON
+    max_prompts: int = 64  # prompts in one completion request
+    max_sequences: int = 256  # prompts x n of one request
+    max_stop_strings: int = SCHEMA_MAX_STOP
+    max_stop_length: int = 256  # characters of one stop string (searched every token)
+    max_stop_token_ids: int = 64
+    max_logprobs: int = SCHEMA_MAX_LOGPROBS
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+                    value == 0 and f.name != "max_logprobs"):
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+        if self.max_stop_strings > SCHEMA_MAX_STOP:
+            raise ValueError(f"max_stop_strings may not exceed the schema's {SCHEMA_MAX_STOP}, "
+                             f"got {self.max_stop_strings}")
+        if self.max_logprobs > SCHEMA_MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs may not exceed the schema's {SCHEMA_MAX_LOGPROBS}, "
+                             f"got {self.max_logprobs}")
+
+
+_LIMITS = RequestLimits()
+
+
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind (default 127.0.0.1)")
     port: int = option(8000, "port to listen on", parse=parse_port)
     api_key: str | None = option(
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
-        default_factory=_api_key_from_env)
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+             f"(default: ${API_KEY_ENV})", default_factory=_api_key_from_env)
+    public_metrics: bool = option(
+        False, "serve /metrics without the API key (for scrapers that cannot send one)")
     served_model_name: list[str] | None = option(
         None, "model name(s) clients use; the first is reported "
               f"(default: the model path, or {DEFAULT_SERVED_MODEL_NAME})", nargs="+")
     max_waiting_requests: int | None = option(
-        None, "answer 503 while this many sequences wait (default: unbounded)",
+        1024, "answer 503 when a request's sequences would make more than this many wait",
         parse=parse_positive_int)
+    max_body_bytes: int = option(_LIMITS.max_body_bytes, "largest request body (413 beyond)",
+                                 parse=parse_size)
+    max_prompts: int = option(_LIMITS.max_prompts, "prompts in one completion request",
+                              parse=parse_positive_int)
+    max_sequences: int = option(_LIMITS.max_sequences,
+                                "sequences one request may ask for (prompts x n)",
+                                parse=parse_positive_int)
+    max_stop_strings: int = option(_LIMITS.max_stop_strings,
+                                   f"stop strings per request (at most {SCHEMA_MAX_STOP})",
+                                   parse=parse_positive_int)
+    max_stop_length: int = option(_LIMITS.max_stop_length, "characters in one stop string",
+                                  parse=parse_positive_int)
+    max_stop_token_ids: int = option(_LIMITS.max_stop_token_ids, "stop_token_ids per request",
+                                     parse=parse_positive_int)
+    max_logprobs: int = option(_LIMITS.max_logprobs,
+                               f"top logprobs per token (at most {SCHEMA_MAX_LOGPROBS})", parse=int)
+    tokenizer_threads: int = option(
+        2, "threads that tokenize, apply chat templates and decode logprobs off the event "
+           "loop (each with its own tokenizer)", parse=parse_positive_int)
     iteration_log: str | None = option(
         None, "write every engine iteration (batch shape, wall and CPU time) to PATH as "
               "JSON lines; `stallfree simulate replay` reads it", metavar="PATH")
@@ -85,12 +142,20 @@ class ServerConfig:
                                     or waiting < 1):
             raise ValueError(f"max_waiting_requests must be a positive integer or None, "
                              f"got {waiting!r}")
+        self.limits()  # checks each limit
+        threads = self.tokenizer_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"tokenizer_threads must be a positive integer, got {threads!r}")
         if self.iteration_log is not None and not isinstance(self.iteration_log,
                                                              (str, os.PathLike)):
             raise ValueError(f"iteration_log must be a path or None, got {self.iteration_log!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{f.name: getattr(self, f.name)
+                                for f in dataclasses.fields(RequestLimits)})
 
     def served_names(self, model: str | None) -> list[str]:
         """The names clients may use: those given, else the model's path (or the default's)."""

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import EngineDeadError
+from .async_engine import EngineDeadError, RequestFailedError
 from .protocol import ErrorResponse
 
 logger = logging.getLogger("stallfree.server")
@@ -24,6 +24,7 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Bad request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
     500: {"model": ErrorResponse, "description": "Engine failure"},
     503: {"model": ErrorResponse, "description": "Queue full or engine stopped"},
@@ -136,22 +137,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 
-# Routes outside /v1 that change the server's state, guarded like /v1 (vLLM's admin routes).
-ADMIN_PATHS = ("/reset_prefix_cache",)
-
-
 class APIKeyMiddleware:
-    """Every /v1 route and every admin route requires `Authorization: Bearer KEY` (checked
-    before anything else)."""
+    """Every route but /health (and /metrics when `public_metrics`) requires
+    `Authorization: Bearer KEY`, checked before anything else: the tokenizer routes,
+    the docs and the schema are the server's too."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, public_metrics: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = {"/health"} | ({"/metrics"} if public_metrics else set())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
-                path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
+        # CORS preflights never carry credentials; no route answers them anyway.
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" \
+                and scope["path"] not in self.open_paths:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
                 response = error_response(401, "invalid or missing API key: send "
@@ -163,11 +162,11 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-
-
 def internal_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), "server_error", code="request_failed")
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
 
 

@@ -76,6 +76,8 @@ class ServerMetrics:
                                 "Sequences that finished, by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
         self.aborted = counter("request_aborted", "Requests aborted (e.g. client disconnects).")
+        self.worker_restarts = counter("worker_restarts",
+                                       "Times failed workers were restarted (requests recomputed).")
         self._engine_info = Info("stallfree:engine", "How the engine runs: device, dtype (and "
                                  "why auto chose it), compute threads.", registry=registry)
 

@@ -33,20 +33,43 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if log is not None:
             import torch
 
-            log.header(block_size=engine.config.cache.block_size,
-                       threads=torch.get_num_threads(), pipeline_depth=engine.executor.depth)
+            try:
+                log.header(block_size=engine.config.cache.block_size,
+                           threads=torch.get_num_threads(), pipeline_depth=engine.executor.depth)
+            except OSError as err:  # e.g. a full disk: serve without the log
+                logging.getLogger("stallfree.server").error(
+                    "cannot write the iteration log (%s); serving without it", err)
+                log.close_quietly()
+                log = None
         names = server_config.served_names(engine_config.model)
+        server: list[uvicorn.Server] = []  # set below; the engine may die only once it runs
+
+        def stop_serving() -> None:
+            """The engine died for good: stop, so that the process exits non-zero and its
+            supervisor restarts it (rather than answering 503 forever)."""
+            if server:
+                server[0].should_exit = True
+
         app = build_app(engine, names, api_key=server_config.api_key,
                         max_waiting_requests=server_config.max_waiting_requests,
-                        model_root=engine_config.model, iteration_log=log)
+                        model_root=engine_config.model, iteration_log=log,
+                        limits=server_config.limits(),
+                        public_metrics=server_config.public_metrics,
+                        tokenizer_threads=server_config.tokenizer_threads,
+                        on_fatal=stop_serving)
         host, port = server_config.host, server_config.port
         config = uvicorn.Config(app, host=host, port=port,
                                 log_level=server_config.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
         print(f"stallfree: serving {names[0]!r} on http://{host}:{port}", flush=True)
-        uvicorn.Server(config).run()
+        server.append(uvicorn.Server(config))
+        server[0].run()
+        async_engine = app.state.stallfree.engine
+        if async_engine.crashed:
+            print(f"stallfree: error: {async_engine.dead_reason}", file=sys.stderr)
+            return 1
     finally:
         engine.shutdown()  # worker processes of a parallel engine end with the server
         if log is not None:
-            log.close()
+            log.close_quietly()
     return 0

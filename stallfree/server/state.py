@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
@@ -16,17 +16,31 @@ from ..model.tokenizer import chat_prompt_ids
 from ..sampling_params import SamplingParams
 from ..structured import build_grammar
 from .async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
+from .config import RequestLimits
 from .errors import APIError, bad_value
+from .limits import check_request_limits
+from .tokenizers import TokenizerPool
 from .tools import ToolUse
+
+T = TypeVar("T")
+
+
+def token_decoder(tokenizer: Any) -> Callable[[int], str]:
+    """One token id -> its text (special tokens kept), for logprobs."""
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class ServerState:
-    """One app's engine (an `AsyncEngine`), its served model names and request checks."""
+    """One app's engine (an `AsyncEngine`), its served model names, request checks and
+    the tokenizer pool that keeps tokenizer work off the event loop."""
 
-    def __init__(self, engine: AsyncEngine, names: list[str], root: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, names: list[str], root: str | None,
+                 limits: RequestLimits | None = None, tokenizer_threads: int = 2) -> None:
         self.engine = engine
         self.names = names
         self.root = root
+        self.limits = limits or RequestLimits()
+        self.tokenizers = TokenizerPool(engine.engine.tokenizer, tokenizer_threads)
         self.created = int(time.time())
 
     @property
@@ -55,13 +69,15 @@ class ServerState:
             raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param,
                            code="invalid_value")
 
-    def check_request(self, body: Any) -> tuple[str, SamplingParams]:
-        """The served model's name and the request's validated sampling parameters."""
+    def check_request(self, body: Any, num_prompts: int = 1) -> tuple[str, SamplingParams]:
+        """The served model's name and the request's validated sampling parameters,
+        within this server's limits."""
         model = self.check_model(body.model)
         try:
             params = body.sampling_params()
         except ValueError as exc:
             raise bad_value(exc) from exc
+        check_request_limits(self.limits, params, num_prompts)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         return model, params
 
@@ -83,23 +99,27 @@ class ServerState:
         except ValueError as exc:
             raise bad_value(exc) from exc
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.llm_engine.tokenize(text))
+    # ---- tokenizer work, on the pool's threads ------------------------------------
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(tokenizer, *args)` off the event loop, with a tokenizer of its own."""
+        return await self.tokenizers.run(fn, *args)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.offload(
+            lambda tok: list(tok(text, add_special_tokens=add_special_tokens)["input_ids"]))
+
+    async def apply_chat_template(self, conversation: list[dict],
+                                  add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
         try:
-            return chat_prompt_ids(self.llm_engine.tokenizer, conversation, add_generation_prompt,
-                                   tools)
+            return await self.offload(chat_prompt_ids, conversation, add_generation_prompt,
+                                      tools)
         except Exception as exc:  # jinja errors: e.g. roles the template refuses
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages",
                            code="invalid_value") from exc
 
-    def decode(self, ids: list[int]) -> str:
-        return self.llm_engine.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def decode_one(self, token_id: int) -> str:
-        return self.decode([token_id])
+    async def decode(self, ids: list[int]) -> str:
+        return await self.offload(lambda tok: tok.decode(ids, skip_special_tokens=False))
 
     async def start(self, request_id: str, prompts: Sequence[str | list[int]], params: Any,
                     arrival: float) -> Generation:

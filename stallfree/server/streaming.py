@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -77,17 +78,22 @@ def usage_of(finals: list[RequestOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def sse_response(gen: Any, preamble: list[dict], to_chunk: Callable[[int, StepOutput], dict],
+def sse_response(gen: Any, preamble: list[dict], to_chunk: Callable[[int, StepOutput], Any],
                  usage_head: dict | None) -> Response:
-    """SSE body shared by both endpoints: preamble chunks, one chunk per step output,
-    an optional usage chunk, then [DONE]. A client that leaves aborts the request."""
+    """SSE body shared by both endpoints: preamble chunks, one chunk per step output
+    (`to_chunk` returns it, or an awaitable of it when building it is work for a
+    tokenizer thread), an optional usage chunk, then [DONE]. A client that leaves
+    aborts the request."""
     async def events() -> AsyncIterator[str]:
         try:
             for item in preamble:
                 yield _sse(item)
             async for i, item in gen.events():
                 if isinstance(item, StepOutput):
-                    yield _sse(to_chunk(i, item))
+                    chunk = to_chunk(i, item)
+                    if inspect.isawaitable(chunk):
+                        chunk = await chunk
+                    yield _sse(chunk)
             if usage_head is not None:
                 finals = list(gen.finals.values())
                 yield _sse({**usage_head, "choices": [], "usage": usage_of(finals),

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: the chat template applied, then generated like a completion."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ from ..protocol import (
     ChatResponseMessage,
     Usage,
 )
-from ..state import StateDep
+from ..state import StateDep, token_decoder
 from ..streaming import usage_of
 from ..tools import TextReply
 from .generation import reply, start_call
@@ -37,27 +36,30 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     model, params = state.check_request(body)
     tools = body.tool_use()
     await state.prepare_constraint(params, tools)
-    ids = await asyncio.to_thread(state.apply_chat_template, body.conversation(), True,
-                                  None if tools is None else tools.template_tools())
+    ids = await state.apply_chat_template(body.conversation(), True,
+                                          None if tools is None else tools.template_tools())
     call = await start_call(state, "chatcmpl", "chat.completion.chunk", model, [ids], params,
                             arrival)
     # Each choice's text becomes content and/or tool calls (tools.py).
     replies = [TextReply() if tools is None else tools.reply() for _ in range(params.n)]
 
-    def step_chunk(_: int, item: StepOutput) -> dict:
+    def step_chunk(_: int, item: StepOutput) -> Any:
         delta, finish = replies[item.index].delta(item.new_text, item.finish_reason)
-        logprobs = (None if item.logprobs is None
-                    else chat_logprobs(item.logprobs, state.decode_one))
-        return call.chunk(_choice(item.index, delta, finish, logprobs))
+        if item.logprobs is None:
+            return call.chunk(_choice(item.index, delta, finish))
+        return state.offload(lambda tok: call.chunk(_choice(
+            item.index, delta, finish, chat_logprobs(item.logprobs, token_decoder(tok)))))
 
-    def choice(o: CompletionOutput) -> ChatCompletionChoice:
-        message, finish = replies[o.index].message(o.text, o.finish_reason)
-        return ChatCompletionChoice(index=o.index, message=ChatResponseMessage(**message),
-                                    logprobs=None if o.logprobs is None else chat_logprobs(
-                                        o.logprobs, state.decode_one),
-                                    finish_reason=finish)
+    def response(finals: list[RequestOutput], tok: Any) -> ChatCompletionResponse:
+        decode = token_decoder(tok)
 
-    def response(finals: list[RequestOutput]) -> ChatCompletionResponse:
+        def choice(o: CompletionOutput) -> ChatCompletionChoice:
+            message, finish = replies[o.index].message(o.text, o.finish_reason)
+            return ChatCompletionChoice(index=o.index, message=ChatResponseMessage(**message),
+                                        logprobs=None if o.logprobs is None else chat_logprobs(
+                                            o.logprobs, decode),
+                                        finish_reason=finish)
+
         choices = [choice(o) for o in finals[0].outputs]
         return ChatCompletionResponse(id=call.id, created=call.created, model=model,
                                       choices=choices, usage=Usage(**usage_of(finals)))
@@ -65,4 +67,4 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     # Each choice's stream opens with the assistant's role, as OpenAI's does.
     roles = [call.chunk(_choice(j, {"role": "assistant", "content": ""}, None))
              for j in range(params.n)]
-    return await reply(raw, call, body, roles, step_chunk, response)
+    return await reply(state, raw, call, body, roles, step_chunk, response)

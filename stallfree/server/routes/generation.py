@@ -47,15 +47,17 @@ async def start_call(state: ServerState, id_prefix: str, chunk_object: str, mode
     return Call(call_id, chunk_object, created, model, gen)
 
 
-async def reply(raw: Request, call: Call, body: Any, preamble: list[dict],
-                to_chunk: Callable[[int, StepOutput], dict],
-                to_response: Callable[[list[RequestOutput]], Any]) -> Any:
-    """Streams the call (`preamble`, then `to_chunk` of each step output) when the body
-    asks for it, else waits for every final output and answers `to_response(finals)`."""
+async def reply(state: ServerState, raw: Request, call: Call, body: Any, preamble: list[dict],
+                to_chunk: Callable[[int, StepOutput], Any],
+                to_response: Callable[[list[RequestOutput], Any], Any]) -> Any:
+    """Streams the call (`preamble`, then `to_chunk` of each step output: a chunk, or an
+    awaitable of one) when the body asks for it, else waits for every final output and
+    answers `to_response(finals, tokenizer)`, built on a tokenizer thread (logprobs
+    decode a token each)."""
     if body.stream:
         return sse_response(call.gen, preamble, to_chunk,
                             call.head() if body.include_usage else None)
     finals = await collect_results(raw, call.gen)
     if finals is None:  # the client left
         return Response(status_code=499)
-    return to_response(finals)
+    return await state.offload(lambda tok: to_response(finals, tok))

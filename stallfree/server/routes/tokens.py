@@ -25,11 +25,10 @@ async def tokenize(body: TokenizeRequest,
                        code="invalid_value")
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        ids = state.apply_chat_template(conversation_of(body.messages),
-                                        body.add_generation_prompt, tools or None)
+        ids = await state.apply_chat_template(conversation_of(body.messages),
+                                              body.add_generation_prompt, tools or None)
     else:
-        tokenizer = state.llm_engine.tokenizer
-        ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = await state.tokenize(body.prompt, body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
 
@@ -38,4 +37,4 @@ async def detokenize(body: DetokenizeRequest,
                      state: StateDep) -> DetokenizeResponse:
     state.check_model(body.model)
     state.check_token_ids(body.tokens, "tokens")
-    return DetokenizeResponse(prompt=state.decode(body.tokens))
+    return DetokenizeResponse(prompt=await state.decode(body.tokens))

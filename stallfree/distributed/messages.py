@@ -1,0 +1,156 @@
+"""What the engine and its workers say to each other, as explicit msgspec types.
+
+Nothing here is pickled: each message decodes into the one type its key expects,
+checked field by field (a SamplingParams re-validates itself), so a payload can be
+wrong but never code. A batch carries per chunk only what a rank computes with: the
+chunk's own tokens (a decode sends its last token, not the request), its block
+table, and for a chunk that samples, the sampling parameters plus the token history
+only when a penalty reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..executor.base import RunnerOutput
+from ..outputs import TokenLogprobs
+from ..sampling_params import SamplingParams
+from ..scheduler.output import SchedulerOutput
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    """What the engine publishes for every rank under the key "config"."""
+
+    model: str | None
+    dtype: str  # torch dtype name, e.g. "float32"
+    device_type: str  # "cpu" or "cuda"
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    seed: int
+    num_threads: int | None  # CPU threads per worker; None leaves torch's default
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """A rank's report once its shard is loaded (key "ready/<rank>")."""
+
+    rank: int
+    pid: int
+    host: str
+    weight_bytes: int
+    free_memory: int | None  # accelerator memory left after the weights; None on CPU
+
+
+class WireSampling(msgspec.Struct, array_like=True):
+    params: SamplingParams
+    num_output_tokens: int
+    eos_token_ids: list[int]
+    # Only when a penalty reads them (has_penalties); otherwise empty.
+    prompt_token_ids: list[int] = []
+    output_token_ids: list[int] = []
+
+
+class WireChunk(msgspec.Struct, array_like=True):
+    request_id: str
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    token_ids: list[int]
+    samples: bool
+    sampling: WireSampling | None = None
+
+
+class KvMessage(msgspec.Struct, tag="kv"):
+    """(Re)allocate the KV cache; every rank acknowledges under ack/<index>/<rank>."""
+
+    num_blocks: int
+    block_size: int
+
+
+class RunMessage(msgspec.Struct, tag="run"):
+    """One micro-batch; the last stage's TP rank 0 answers under out/<index>."""
+
+    chunks: list[WireChunk]
+
+
+Message = KvMessage | RunMessage
+
+
+class RunResult(msgspec.Struct):
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+    failed: dict[str, str] = {}
+
+
+# ---- the engine's side ----------------------------------------------------------------
+def run_message(output: SchedulerOutput) -> RunMessage:
+    chunks = []
+    for c in output.chunks:
+        sampling = None
+        if c.samples:
+            r = c.request
+            p = r.sampling_params
+            history = p.has_penalties
+            sampling = WireSampling(p, r.num_output_tokens, sorted(r.eos_token_ids),
+                                    r.prompt_token_ids if history else [],
+                                    r.output_token_ids if history else [])
+        chunks.append(WireChunk(c.request_id, c.start, c.num_tokens, c.block_table,
+                                c.token_ids, c.samples, sampling))
+    return RunMessage(chunks)
+
+
+def result_message(output: RunnerOutput) -> RunResult:
+    return RunResult(output.sampled, output.logprobs, output.failed)
+
+
+def runner_output(result: RunResult) -> RunnerOutput:
+    return RunnerOutput(result.sampled, result.logprobs, failed=result.failed)
+
+
+# ---- the worker's side ----------------------------------------------------------------
+@dataclass
+class SamplingView:
+    """What the sampler reads of a request, rebuilt on a worker from its WireSampling."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    eos_token_ids: frozenset[int]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class WorkerChunk:
+    """A chunk as the model runner reads it (the fields of ScheduledChunk it uses)."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    token_ids: list[int]
+    samples: bool
+    request: SamplingView | None
+
+
+@dataclass
+class WorkerBatch:
+    chunks: list[WorkerChunk] = field(default_factory=list)
+
+
+def worker_batch(message: RunMessage) -> WorkerBatch:
+    chunks = []
+    for c in message.chunks:
+        view = None
+        if c.sampling is not None:
+            s = c.sampling
+            view = SamplingView(c.request_id, s.params, s.num_output_tokens,
+                                frozenset(s.eos_token_ids), s.prompt_token_ids,
+                                s.output_token_ids)
+        chunks.append(WorkerChunk(c.request_id, c.start, c.num_tokens, c.block_table,
+                                  c.token_ids, c.samples, view))
+    return WorkerBatch(chunks)
