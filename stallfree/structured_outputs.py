@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Nesting of a schema's JSON: real schemas stay far below; the grammar's construction
+# grows steeply with depth (seconds at a few hundred levels).
+MAX_SCHEMA_DEPTH = 64
 
 
 class ConstraintError(ValueError):
@@ -95,4 +98,18 @@ def _schema(value: object, field: str) -> dict[str, Any] | bool:
     if not isinstance(value, (dict, bool)):
         raise ConstraintError(field, f"must be a JSON schema (an object), got "
                                      f"{type(value).__name__}")
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise ConstraintError(field, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return value
+
+
+def _depth(value: object) -> int:
+    """How deeply objects and arrays nest in `value` (iterative: any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest

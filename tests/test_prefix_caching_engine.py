@@ -6,6 +6,8 @@ budget of the chunking tests and forced preemption with references run without i
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from stallfree import SamplingParams
@@ -73,7 +75,7 @@ def test_questions_after_a_cached_system_prompt_among_20_others(default_llm, pro
     engine = default_llm.engine
     engine.reset_prefix_cache()
     # Warm the cache with the system prompt, then run every question among 20 others.
-    system = prompts[0][:min(len(p) for p in prompts) - 8]
+    system = os.path.commonprefix(prompts)  # the system prompt, up to the questions
     default_llm.generate([system], SamplingParams(max_tokens=1))
     others = [[(7 * i + j) % 5000 + 100 for j in range(5 + 2 * i)] for i in range(20)]
     other_params = [SamplingParams(temperature=0.0, max_tokens=3 + i % 4, ignore_eos=True)

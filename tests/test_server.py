@@ -84,7 +84,12 @@ def test_sync_client_greedy_stream_equals_plain_equals_offline(client, default_l
     assert chat.choices[0].message.content == streamed == offline.text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == chat.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens,
+                                         usage.total_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens)
+    # The same prompt a second time: its whole blocks came from the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -31,7 +31,15 @@ def service(tokenizer):
 
 
 # ---- the constraint as data ---------------------------------------------------------
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("fields,param", [
+    ({"json": _nested(70)}, "structured_outputs.json"),  # too deep to build quickly
     ({}, "structured_outputs"),
     ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
     ({"regex": ""}, "structured_outputs.regex"),

@@ -32,11 +32,10 @@ _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s+(Check failed: .*? is false: )
 def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
     """The grammar of `spec`; ConstraintError (a ValueError) naming the field if invalid."""
     kind = spec.kind
-    if kind == "json":
-        unenforced = _unenforced(spec.json)
-        if unenforced:
-            raise ConstraintError(spec.field(), f"JSON schema keyword {unenforced} is not "
-                                                f"supported")
+    unenforced = _unenforced(spec.json) if kind == "json" else None
+    if unenforced:
+        raise ConstraintError(spec.field(), f"JSON schema keyword {unenforced} is not "
+                                            f"supported")
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(json.dumps(spec.json), **_JSON)
@@ -50,7 +49,7 @@ def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
                 json.dumps(c, ensure_ascii=False) for c in spec.choice))
         return xgr.Grammar.from_ebnf(spec.grammar)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input by several types
         reason = _LOCATION.sub("", str(exc).strip()).strip()
         raise ConstraintError(spec.field(), f"invalid {_WHAT[kind]}: {reason}") from None
 
