@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from ...outputs import RequestOutput, StepOutput
 from ...sampling_params import SamplingParams
-from ..async_engine import Generation
+from ..engine_call import Generation
 from ..protocol import random_id
 from ..state import ServerState
 from ..streaming import collect_results, sse_response
