@@ -26,6 +26,8 @@ def build() -> tuple[Path | None, str]:
     target = library_path()
     if target.exists():
         return target, f"up to date: {target}"
+    for stale in target.parent.parent.glob("paged_decode_*"):  # older sources or CPUs
+        shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     failure = target.with_suffix(".error")
     compiler = os.environ.get("CXX", "c++")

@@ -26,7 +26,8 @@ logger = logging.getLogger("stallfree.model")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 # -O3 and the host's vector width: the kernel is plain loops and GCC vector types.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-g0")
-HEAD_DIMS = (64, 128)  # the head sizes the kernel is instantiated for
+HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel is instantiated for (small
+# ones for the test models)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Engine calls let the kernel size its work items by the threads it runs on.
 AUTO_SPLIT = -1
