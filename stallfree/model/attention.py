@@ -3,6 +3,9 @@
 The KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim];
 token `p` of a request lives in slot `block_table[p // block_size] * block_size +
 p % block_size` of the flattened [num_blocks * block_size] view.
+
+On CPU, decodes run in the C++ kernel of paged_decode.py, which reads the cache in place;
+elsewhere, or without the kernel, they gather their blocks and run SDPA (the reference).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_plan import attends_as_decode, decode_groups
+from .paged_decode import paged_decode, usable
 
 
 class GatherWorkspace:
@@ -125,7 +129,7 @@ class AttentionMetadata:
                                   for _, _, t in prefills],
             decode_context_lens=torch.tensor([s + 1 for s, _, _ in decodes],
                                              dtype=torch.int64).to(device),
-            decode_block_tables=tables[len(prefills):, :dec_blocks].to(device),
+            decode_block_tables=tables[len(prefills):, :dec_blocks].contiguous().to(device),
             block_size=block_size,
             workspace=workspace or GatherWorkspace(),
         )
@@ -133,7 +137,8 @@ class AttentionMetadata:
 
     def prepare(self, kv_cache: torch.Tensor) -> None:
         """Gather indices and masks for one layer's cache [2, blocks, bs, Hkv, D] (the same
-        shape in every layer); idempotent, so the first layer's call does the work."""
+        shape in every layer); idempotent, so the first layer's call does the work. The
+        decode plan only where decodes take the torch path."""
         bs = self.block_size
         if self.prefill_gather_blocks is None:
             self.prefill_gather_blocks, self.prefill_masks = [], []
@@ -147,7 +152,7 @@ class AttentionMetadata:
                 # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
                 mask = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
                 self.prefill_masks.append(mask.tril(diagonal=ctx - qlen))
-        if self.decode_plan is None:
+        if self.decode_plan is None and not usable(kv_cache):
             self.decode_plan = []
             lens = self.decode_context_lens.tolist()
             groups = decode_groups(lens, bs, call_cap_bytes_per_token(kv_cache))
@@ -199,7 +204,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         row += qlen
 
     num_decodes = q.shape[0] - row
-    if num_decodes > 0:
+    if num_decodes > 0 and usable(kv_cache):
+        outputs.append(paged_decode(q[row:], kv_cache, meta.decode_block_tables,
+                                    meta.decode_context_lens, scale))
+    elif num_decodes > 0:
         qd, plan, ws = q[row:], meta.decode_plan, meta.workspace
         if len(plan) == 1:
             outputs.append(_decode(qd, kv_cache, plan[0][1], plan[0][2], ws, scale))

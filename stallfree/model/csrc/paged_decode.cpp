@@ -1,0 +1,391 @@
+// Decode attention that reads the paged KV cache in place (CPU).
+//
+// One query token per request against its context, read 16 tokens at a time straight from
+// the cache [2, num_blocks, block_size, Hkv, D] through the request's block table: no
+// gather into a dense buffer, no padding to the longest context. Online softmax in fp32;
+// bfloat16 and float16 caches are widened to fp32 once per KV head as they are read, and
+// the query heads of a GQA group reuse those rows from L1. The next 16 tokens' rows are
+// prefetched while the current ones compute, since blocks lie anywhere in the cache.
+//
+// Threads: a request's context may be cut into parts (flash-decoding), each part a work
+// item with its own softmax state; items are dealt out to the threads by token count, so
+// one long request among short ones does not leave a core idle, and the parts of a
+// request are merged at the end. One parallel region per call, whatever the batch.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 floats: one AVX-512 register, two AVX2 ones; GCC/Clang vector extensions keep the
+// kernel free of one instruction set's intrinsics.
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+// 16 values widened to fp32 from an unaligned address.
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf load16(const c10::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+}
+
+inline vf load16(const c10::Half* p) {
+#ifdef __FLT16_MANT_DIG__
+  typedef _Float16 vhf __attribute__((vector_size(32)));
+  vhf h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vf);
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline float hsum(vf a) {
+  vf8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// The lane sums of 16 vectors, in order, as one vector: a transpose-and-add tree that
+// costs 45 operations where 16 separate horizontal sums would cost about 160.
+inline vf hsum16(const vf* a) {
+  vf r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // [a_2i: 8 partial sums | a_2i+1: 8]
+    r[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // four vectors, 4 partial sums each
+    s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // eight vectors, 2 partial sums each
+    u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// e^x for x <= 0 in every lane (Cephes' expf polynomial, ~1 ulp).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f, magic = vf{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers
+  x = x < lo ? lo : x;
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+inline float hmax(vf a) {
+  vf8 x = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+  vf8 y = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  x = x > y ? x : y;
+  float m = x[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, num_blocks, max_blocks;
+};
+
+// One work item: tokens [begin, end) of request `row`.
+struct Item {
+  int64_t row, begin, end;
+};
+
+// Softmax state of one item: running max and sum per query head, unnormalised output.
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;
+};
+
+// Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
+// the first) for every query head: scores, online softmax, then the weighted V rows.
+// C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
+// A narrower cache is widened once per KV head into `buf`, not once per query head.
+template <typename T, int C>
+void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
+                 int n, const Partial& out, vf* buf) {
+  constexpr bool wide = std::is_same_v<T, float>;
+  const int64_t group = s.heads / s.kv_heads;
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
+  for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
+    // Each token's K and V row of this KV head, as fp32 in place or widened into `buf`.
+    const float* kr[kLanes];
+    const float* vr[kLanes];
+    const int64_t head = kv * C * kLanes;
+    for (int j = 0; j < kLanes; ++j) {
+      if constexpr (wide) {
+        kr[j] = k + rows[j] + head;
+        vr[j] = v + rows[j] + head;
+      } else {
+        vf* kb = buf + j * C;
+        vf* vb = buf + (kLanes + j) * C;
+        for (int c = 0; c < C; ++c) {
+          kb[c] = load16(k + rows[j] + head + c * kLanes);
+          vb[c] = load16(v + rows[j] + head + c * kLanes);
+        }
+        kr[j] = reinterpret_cast<const float*>(kb);
+        vr[j] = reinterpret_cast<const float*>(vb);
+      }
+    }
+    for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+      const vf* qh = q + h * C;
+      vf a[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) {
+        a[j] = qh[0] * load16(kr[j]);
+        for (int c = 1; c < C; ++c) a[j] += qh[c] * load16(kr[j] + c * kLanes);
+      }
+      const vf scores = lane < n ? hsum16(a) : minus_inf;
+      const float m = std::max(out.max[h], hmax(scores));
+      vf acc[C];
+      std::memcpy(acc, out.acc + h * C * kLanes, sizeof acc);
+      if (m > out.max[h]) {  // a new maximum: rescale what was accumulated under the old one
+        const float alpha = std::exp(out.max[h] - m);
+        out.sum[h] *= alpha;
+        for (int c = 0; c < C; ++c) acc[c] *= alpha;
+        out.max[h] = m;
+      }
+      const vf p = lane < n ? exp_nonpositive(scores - m) : vf{};
+      out.sum[h] += hsum(p);
+      for (int j = 0; j < n; ++j)
+        for (int c = 0; c < C; ++c) acc[c] += p[j] * load16(vr[j] + c * kLanes);
+      std::memcpy(out.acc + h * C * kLanes, acc, sizeof acc);
+    }
+  }
+}
+
+template <typename T, int C>
+void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
+            const int64_t* table, const Item& item, const Partial& out, vf* buf) {
+  const int64_t H = s.heads, bs = s.block_size, row_len = s.kv_heads * C * kLanes;
+  std::fill(out.max, out.max + H, -std::numeric_limits<float>::infinity());
+  std::fill(out.sum, out.sum + H, 0.f);
+  std::fill(out.acc, out.acc + H * C * kLanes, 0.f);
+  // Cache offsets of one tile's tokens; the tail repeats the first token (masked out).
+  auto offsets = [&](int64_t start, int64_t* rows) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, item.end - start));
+    for (int j = 0; j < n; ++j) {
+      const int64_t t = start + j, block = table[t / bs];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "block id ", block, " outside the cache");
+      rows[j] = (block * bs + t % bs) * row_len;
+    }
+    for (int j = n; j < kLanes; ++j) rows[j] = rows[0];
+    return n;
+  };
+  int64_t rows[2][kLanes];
+  int n = offsets(item.begin, rows[0]);
+  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes, i ^= 1) {
+    // Blocks lie anywhere in the cache: ask for the next tile's rows while this one computes.
+    int next = 0;
+    if (start + kLanes < item.end) {
+      next = offsets(start + kLanes, rows[i ^ 1]);
+      for (int j = 0; j < next; ++j)
+        for (int64_t b = 0; b < row_len * int64_t(sizeof(T)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[i ^ 1][j]) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[i ^ 1][j]) + b);
+        }
+    }
+    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], n, out, buf);
+    n = next;
+  }
+}
+
+// Items of every request in row order, each at most `split` tokens.
+std::vector<Item> make_items(const int64_t* lens, int64_t rows, int64_t split) {
+  std::vector<Item> items;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < lens[r]; t += split)
+      items.push_back({r, t, std::min(lens[r], t + split)});
+  return items;
+}
+
+// Tokens per work item. split < 0: automatic: whole requests on one thread; with more
+// threads, parts of about 1/8 of a thread's share (at least 64 tokens), so the deal by
+// token count is even to within ~1/8. 0: whole requests. Rounded up to 16 tokens.
+int64_t part_tokens(int64_t split, const int64_t* lens, int64_t rows) {
+  const int64_t whole = std::numeric_limits<int64_t>::max() / 4;
+  if (split < 0) {
+    const int64_t threads = at::get_num_threads();
+    if (threads <= 1) return whole;
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; ++r) total += lens[r];
+    split = std::max<int64_t>(64, total / (8 * threads));
+  }
+  if (split == 0) return whole;
+  return (split + kLanes - 1) / kLanes * kLanes;
+}
+
+template <typename T, int C>
+void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T* cache,
+         const int64_t* tables, const int64_t* lens, int64_t rows, float* out, int64_t split) {
+  const int64_t H = s.heads, D = s.dim;
+  const T* k_cache = cache;
+  const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
+  std::vector<Item> items = make_items(lens, rows, split);
+  const int64_t n = static_cast<int64_t>(items.size());
+  std::vector<float> state(n * H * (D + 2));
+  auto partial = [&](int64_t i) {
+    float* p = state.data() + i * H * (D + 2);
+    return Partial{p, p + H, p + 2 * H};
+  };
+  // Deal items to threads by tokens (+ a fixed cost per item for its query and merge).
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> first(threads + 1, n);
+  {
+    int64_t total = 0;
+    for (const Item& it : items) total += it.end - it.begin + s.block_size;
+    int64_t acc = 0, th = 0;
+    first[0] = 0;
+    for (int64_t i = 0; i < n && th + 1 < threads; ++i) {
+      acc += items[i].end - items[i].begin + s.block_size;
+      while (th + 1 < threads && acc * threads >= total * (th + 1)) first[++th] = i + 1;
+    }
+    for (++th; th < threads; ++th) first[th] = n;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<vf> qv(H * C), buf(2 * kLanes * C);
+    for (int64_t th = t0; th < t1; ++th) {
+      for (int64_t i = first[th]; i < first[th + 1]; ++i) {
+        const Item& it = items[i];
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(qv.data() + h * C, q + it.row * q_row + h * q_head, D * 4);
+        attend<T, C>(s, qv.data(), k_cache, v_cache, tables + it.row * s.max_blocks, it,
+                     partial(i), buf.data());
+      }
+    }
+  });
+  // Merge each request's parts: rescale every part to the largest max, then normalise.
+  std::vector<int64_t> row_first(rows + 1, 0);  // items are in row order
+  for (const Item& it : items) ++row_first[it.row + 1];
+  for (int64_t r = 0; r < rows; ++r) row_first[r + 1] += row_first[r];
+  // On the calling thread: a few floats per query head and part (~2% of the attention's
+  // reads), where a second parallel region would add a barrier.
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * H * D;
+    const int64_t a = row_first[r], b = row_first[r + 1];
+    if (a == b) {  // no context: nothing to attend to
+      std::fill(o, o + H * D, 0.f);
+      continue;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = a; i < b; ++i) m = std::max(m, partial(i).max[h]);
+      float total = 0.f;
+      float* oh = o + h * D;
+      std::fill(oh, oh + D, 0.f);
+      for (int64_t i = a; i < b; ++i) {
+        const Partial p = partial(i);
+        const float w = std::exp(p.max[h] - m);
+        total += w * p.sum[h];
+        const float* acc = p.acc + h * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] += w * acc[d];
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+    }
+  }
+}
+
+// q [B, Hq, D] (last dim contiguous), kv_cache [2, num_blocks, block_size, Hkv, D]
+// contiguous, block_tables [B, max_blocks] int64, context_lens [B] int64 (keys each query
+// sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
+// (see part_tokens; -1 in the engine).
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t split) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "need q [B, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  const Shape s{q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1),
+                block_tables.size(-1)};
+  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0,
+              "q and kv_cache disagree on head_dim or the GQA group");
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows &&
+                  block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int64 [B, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == rows &&
+                  context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int64 [B]");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(lens[r] >= 0 && lens[r] <= s.max_blocks * s.block_size, "context ", lens[r],
+                " of row ", r, " does not fit its block table");
+  // The scaled query in fp32 (a new contiguous tensor: q may be a view of a fused qkv).
+  at::Tensor qf = q.to(at::kFloat).mul(scale);
+  at::Tensor out = at::empty({rows, s.heads, s.dim}, q.options().dtype(at::kFloat));
+  if (rows == 0) return out.to(q.scalar_type());
+  split = part_tokens(split, lens, rows);
+  const float* qp = qf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t q_row = qf.stride(0), q_head = qf.stride(1);
+  auto dispatch = [&](auto* cache) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
+    switch (s.dim) {
+      case 16: return run<T, 1>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
+      case 32: return run<T, 2>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
+      case 64: return run<T, 4>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
+      case 128: return run<T, 8>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
+      default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", s.dim);
+    }
+  };
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: dispatch(kv_cache.data_ptr<float>()); break;
+    case at::kBFloat16: dispatch(kv_cache.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: dispatch(kv_cache.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", kv_cache.scalar_type());
+  }
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stallfree, m) {
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int split) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("paged_decode", &paged_decode); }

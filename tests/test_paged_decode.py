@@ -1,0 +1,251 @@
+"""The CPU decode kernel (stallfree/model/paged_decode.py) against the torch reference path.
+
+Every case runs the same batch through `paged_attention` twice, with the kernel and with
+the gather + SDPA path it replaces, over one cache whose blocks are handed out in random
+order. Without a built kernel (no compiler) the tests that run it skip, saying why.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.paged_decode import (
+    AUTO_SPLIT,
+    KernelLoader,
+    kernel_enabled,
+    library_path,
+    paged_decode,
+    unavailable_reason,
+    usable,
+)
+
+REASON = unavailable_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernel not built: {REASON}")
+FP32_TOL = 1e-5
+GROUPS = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 128), (4, 2, 16)]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+class Batch:
+    """A cache of `num_blocks` random blocks and requests whose tables are random blocks."""
+
+    def __init__(self, heads: tuple[int, int, int], dtype: torch.dtype = torch.float32,
+                 block_size: int = 16, num_blocks: int = 600, seed: int = 0) -> None:
+        self.hq, self.hkv, self.dim = heads
+        self.block_size, self.dtype = block_size, dtype
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.cache = torch.randn(2, num_blocks, block_size, self.hkv, self.dim,
+                                 generator=self.gen).to(dtype)
+        self.free = list(range(num_blocks))
+        self.rng.shuffle(self.free)
+
+    def table(self, tokens: int) -> list[int]:
+        n = -(-tokens // self.block_size)
+        table, self.free = self.free[:n], self.free[n:]
+        return table
+
+    def qkv(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randn(rows, self.hq, self.dim, generator=self.gen).to(self.dtype)
+        k, v = (torch.randn(rows, self.hkv, self.dim, generator=self.gen).to(self.dtype)
+                for _ in range(2))
+        return q, k, v
+
+    def attend(self, seqs: list[tuple[int, int, list[int]]], kernel: bool,
+               qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        meta = AttentionMetadata.build(seqs, self.block_size, "cpu", GatherWorkspace())
+        with kernel_enabled(kernel):
+            return paged_attention(*qkv, self.cache, meta, self.dim ** -0.5)
+
+    def both(self, seqs: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel, reference) outputs of one batch (both write the same new K/V)."""
+        qkv = self.qkv(sum(n for _, n, _ in seqs))
+        return self.attend(seqs, True, qkv), self.attend(seqs, False, qkv)
+
+    def decodes(self, contexts: list[int]) -> list[tuple[int, int, list[int]]]:
+        return [(c - 1, 1, self.table(c)) for c in contexts]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", GROUPS, ids=lambda h: "q{}_kv{}_d{}".format(*h))
+def test_decodes_match_the_reference_from_1_to_4096_tokens(heads):
+    batch = Batch(heads, num_blocks=1100)
+    contexts = [1, 2, 15, 16, 17, 31, 33, 100, 511, 1000, 4096]
+    out, ref = batch.both(batch.decodes(contexts))
+    assert _rel_err(out, ref) < FP32_TOL
+    for i in range(len(contexts)):  # each row, not only the batch's largest values
+        assert _rel_err(out[i], ref[i]) < FP32_TOL, f"context {contexts[i]}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches_are_as_close_as_their_rounding(dtype):
+    """Against fp32 math on the same stored values, the kernel is off by the output's
+    rounding only (2^-8 relative for bf16); the bf16 reference path rounds more on the way."""
+    batch = Batch((9, 3, 64), dtype)
+    seqs = batch.decodes([7, 64, 300, 1200])
+    qkv = batch.qkv(len(seqs))
+    out = batch.attend(seqs, True, qkv)
+    ref = batch.attend(seqs, False, qkv)
+    exact = Batch((9, 3, 64))
+    exact.cache = batch.cache.float()
+    truth = exact.attend(seqs, False, tuple(t.float() for t in qkv))
+    assert out.dtype == dtype
+    assert _rel_err(out, truth) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("split", [0, 16, 48, 256, AUTO_SPLIT])
+def test_requests_cut_into_parts_merge_to_the_same_result(threads, split):
+    batch = Batch((9, 3, 64))
+    contexts = [3, 700, 40, 1500, 129, 16]
+    seqs = batch.decodes(contexts)
+    meta = AttentionMetadata.build(seqs, 16, "cpu")
+    q = batch.qkv(len(seqs))[0]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode(q, batch.cache, meta.decode_block_tables, meta.decode_context_lens,
+                           0.125, split)
+        whole = paged_decode(q, batch.cache, meta.decode_block_tables,
+                             meta.decode_context_lens, 0.125, 0)
+    finally:
+        torch.set_num_threads(saved)
+    assert _rel_err(out, whole) < FP32_TOL
+    ref = batch.attend(seqs, False, (q, *batch.qkv(len(seqs))[1:]))
+    # The reference wrote new K/V into each last slot; compare rows against a fresh run.
+    assert _rel_err(paged_decode(q, batch.cache, meta.decode_block_tables,
+                                 meta.decode_context_lens, 0.125, split), ref) < FP32_TOL
+
+
+@needs_kernel
+def test_mixed_prefill_and_decode_batches_match_the_reference():
+    batch = Batch((9, 3, 64))
+    # Prefill chunks: one with a cached prefix of 40, one fresh; then decodes.
+    first = batch.table(64)
+    batch.both([(0, 40, first)])  # caches the prefix
+    seqs = [(40, 24, first), (0, 33, batch.table(33))] + batch.decodes([5, 260, 1024])
+    out, ref = batch.both(seqs)
+    assert out.shape == ref.shape == (24 + 33 + 3, 9, 64)
+    assert _rel_err(out, ref) < FP32_TOL
+    assert _rel_err(out[57:], ref[57:]) < FP32_TOL  # the decodes on their own
+
+
+@needs_kernel
+def test_a_preempted_request_recomputed_in_reused_blocks():
+    """A is prefilled, preempted (its blocks go to B, which overwrites them), then recomputed
+    into fresh blocks; decoding both must see only their own tokens."""
+    batch = Batch((9, 3, 64), num_blocks=64)
+    a_prompt, b_prompt = 70, 50
+    qkv_a, qkv_b = batch.qkv(a_prompt), batch.qkv(b_prompt)
+    a_first = batch.table(a_prompt + 1)
+    batch.attend([(0, a_prompt, a_first)], True, qkv_a)
+    b_table = a_first[:4]  # preemption frees A's blocks; B takes some of them
+    batch.attend([(0, b_prompt, b_table)], True, qkv_b)
+    a_table = batch.table(a_prompt + 1)
+    batch.attend([(0, a_prompt, a_table)], True, qkv_a)  # recompute
+    q, k, v = batch.qkv(2)
+    seqs = [(a_prompt, 1, a_table), (b_prompt, 1, b_table)]
+    out = batch.attend(seqs, True, (q, k, v))
+    ref = batch.attend(seqs, False, (q, k, v))
+    assert _rel_err(out, ref) < FP32_TOL
+    # Ground truth: dense attention over each request's own keys.
+    for row, (own, n) in enumerate(((qkv_a, a_prompt), (qkv_b, b_prompt))):
+        keys = torch.cat([own[1], k[row:row + 1]])
+        values = torch.cat([own[2], v[row:row + 1]])
+        expect = torch.nn.functional.scaled_dot_product_attention(
+            q[row][:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=0.125,
+            enable_gqa=True)[:, 0]
+        assert _rel_err(out[row], expect) < FP32_TOL, f"request {'AB'[row]} at {n} tokens"
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(contexts=st.lists(st.integers(1, 700), min_size=1, max_size=12),
+       heads=st.sampled_from(GROUPS), block_size=st.sampled_from([8, 16, 32]),
+       seed=st.integers(0, 2**16), split=st.sampled_from([0, 16, 64, AUTO_SPLIT]))
+def test_property_any_batch_matches_the_reference(contexts, heads, block_size, seed, split):
+    batch = Batch(heads, block_size=block_size, num_blocks=12 * 700 // block_size + 12,
+                  seed=seed)
+    seqs = batch.decodes(contexts)
+    q, k, v = batch.qkv(len(seqs))
+    ref = batch.attend(seqs, False, (q, k, v))  # writes each row's new K/V
+    meta = AttentionMetadata.build(seqs, block_size, "cpu")
+    out = paged_decode(q, batch.cache, meta.decode_block_tables, meta.decode_context_lens,
+                       heads[2] ** -0.5, split)
+    assert _rel_err(out, ref) < FP32_TOL
+
+
+@needs_kernel
+def test_the_kernel_gathers_nothing(monkeypatch):
+    batch = Batch((9, 3, 64))
+    seqs = batch.decodes([100, 900])
+    meta = AttentionMetadata.build(seqs, 16, "cpu", GatherWorkspace())
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("decode gathered KV blocks")
+
+    monkeypatch.setattr(GatherWorkspace, "gather", no_gather)
+    assert usable(batch.cache)
+    paged_attention(*batch.qkv(2), batch.cache, meta, 0.125)
+    assert meta.decode_plan is None  # no length groups either
+
+
+@needs_kernel
+def test_bad_tables_raise_instead_of_reading_outside_the_cache():
+    batch = Batch((9, 3, 64), num_blocks=8)
+    q = batch.qkv(1)[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_decode(q, batch.cache, torch.tensor([[3, 99]]), torch.tensor([20]), 0.125)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        paged_decode(q, batch.cache, torch.tensor([[3, 4]]), torch.tensor([33]), 0.125)
+
+
+def test_without_a_built_library_the_torch_path_runs_and_says_why(tmp_path, monkeypatch,
+                                                                 caplog):
+    monkeypatch.setenv("STALLFREE_BUILD_DIR", str(tmp_path))
+    loader = KernelLoader()
+    with caplog.at_level("WARNING", logger="stallfree.model"):
+        assert not loader.load()
+    assert "make kernels" in loader.reason and str(tmp_path) in loader.reason
+    assert "torch path" in caplog.text
+    library_path().parent.mkdir(parents=True)
+    library_path().with_suffix(".error").write_text("no C++ compiler (c++) on PATH\n")
+    failed = KernelLoader()
+    assert not failed.load() and "no C++ compiler" in failed.reason
+
+
+def test_the_reference_path_never_uses_the_kernel():
+    batch = Batch((9, 3, 64))
+    with kernel_enabled(False):
+        assert not usable(batch.cache)
+    assert not usable(batch.cache.to("meta"))  # other devices keep the torch path
+
+
+@needs_kernel
+def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(default_llm,
+                                                                      monkeypatch):
+    from stallfree import SamplingParams
+    from stallfree.model import attention
+
+    calls = []
+    real = attention.paged_decode
+    monkeypatch.setattr(attention, "paged_decode",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = [o.token_ids for o in default_llm.generate(prompts, params)]
+    assert calls, "the engine's decodes did not run in the kernel"
+    with kernel_enabled(False):
+        reference = [o.token_ids for o in default_llm.generate(prompts, params)]
+    assert fast == reference
