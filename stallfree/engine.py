@@ -37,6 +37,7 @@ from .scheduler.pipeline import next_micro_batch
 
 logger = logging.getLogger("stallfree.engine")
 
+
 @dataclass
 class _Flight:
     """A submitted micro-batch whose result has not been applied yet."""
