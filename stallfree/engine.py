@@ -52,6 +52,7 @@ _COMPILE_WAIT = 0.005
 
 logger = logging.getLogger("stallfree.engine")
 
+
 @dataclass
 class _Flight:
     """A submitted micro-batch whose result has not been applied yet."""

@@ -107,3 +107,38 @@ def test_a_worker_without_the_secret_refuses_to_start(store):
     done = subprocess.run([sys.executable, "-m", "stallfree", "worker"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and SECRET_ENV in done.stderr
+
+
+def test_a_batch_carries_what_a_rank_samples_with(store):
+    import torch
+
+    from stallfree import SamplingParams
+    from stallfree.distributed.messages import run_message, worker_batch
+    from stallfree.request import Request
+    from stallfree.scheduler.output import ScheduledChunk, SchedulerOutput
+
+    params = SamplingParams(temperature=0.5, top_k=7, min_p=0.1, seed=3, min_tokens=2,
+                            stop_token_ids=[9], repetition_penalty=1.2, logprobs=2)
+    penalised = Request("p", [1, 2, 3], params, 0.0, frozenset({2}))
+    penalised.output_token_ids = [4, 5]
+    plain = Request("q", [6, 7, 8, 9], SamplingParams(temperature=0.0), 0.0, frozenset({2}))
+    plain.output_token_ids = [10]
+    plain.num_computed_tokens = 4
+    output = SchedulerOutput([ScheduledChunk(penalised, 0, 5, [0]),
+                              ScheduledChunk(plain, 4, 1, [1])])
+    output.token_bitmask = torch.tensor([[-1, 5]], dtype=torch.int32)  # structured outputs
+    output.bitmask_rows = {"p": 0}
+    channel = Channel(store, new_secret())
+    channel.put("msg/0", run_message(output))
+    batch = worker_batch(channel.read("msg/0", Message))
+    first, decode = batch.chunks
+    assert first.token_ids == [1, 2, 3, 4, 5] and first.request.all_token_ids == [1, 2, 3, 4, 5]
+    sent = first.request.sampling_params
+    for name in ("temperature", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids",
+                 "repetition_penalty", "logprobs"):
+        assert getattr(sent, name) == getattr(params, name), name
+    assert first.request.num_output_tokens == 2 and first.request.eos_token_ids == {2}
+    # A decode without penalties sends its one token, not its history.
+    assert decode.token_ids == [10] and decode.request.all_token_ids == []
+    assert decode.request.num_output_tokens == 1 and decode.block_table == [1]
+    assert batch.token_bitmask.tolist() == [[-1, 5]] and batch.bitmask_rows == {"p": 0}

@@ -1,15 +1,16 @@
 """What the engine and its workers say to each other, as explicit msgspec types.
 
 Nothing here is pickled: each message decodes into the one type its key expects,
-checked field by field (a SamplingParams re-validates itself), so a payload can be
-wrong but never code. A batch carries per chunk only what a rank computes with: the
-chunk's own tokens (a decode sends its last token, not the request), its block
-table, and for a chunk that samples, the sampling parameters plus the token history
-only when a penalty reads it.
+checked field by field (sampling parameters re-validate themselves), so a payload can
+be wrong but never code. A batch carries per chunk only what a rank computes with:
+the chunk's own tokens (a decode sends its last token, not the request), its block
+table, and for a chunk that samples, the parameters its sampler reads plus the token
+history only when a penalty reads it; and structured outputs' token bitmask, if any.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -41,8 +42,43 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     free_memory: int | None  # accelerator memory left after the weights; None on CPU
 
 
+class WireParams(msgspec.Struct, array_like=True):
+    """The sampling parameters a rank's sampler reads (SamplingParams' other fields, such
+    as stop strings or a structured-output grammar, are the engine's business)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    max_tokens: int | None
+    min_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logprobs: int | None
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> WireParams:
+        return cls(*(getattr(p, f) for f in cls.__struct_fields__))
+
+    def sampling_params(self) -> SamplingParams:
+        """Validated again on the rank: a bad value raises there, never runs."""
+        return SamplingParams(**{f: getattr(self, f) for f in self.__struct_fields__})
+
+
+class WireBitmask(msgspec.Struct, array_like=True):
+    """Structured outputs' allowed-token bitmask (int32 rows) and the row of each request."""
+
+    shape: list[int]
+    data: bytes
+    rows: dict[str, int]
+
+
 class WireSampling(msgspec.Struct, array_like=True):
-    params: SamplingParams
+    params: WireParams
     num_output_tokens: int
     eos_token_ids: list[int]
     # Only when a penalty reads them (has_penalties); otherwise empty.
@@ -71,6 +107,7 @@ class RunMessage(msgspec.Struct, tag="run"):
     """One micro-batch; the last stage's TP rank 0 answers under out/<index>."""
 
     chunks: list[WireChunk]
+    bitmask: WireBitmask | None = None
 
 
 Message = KvMessage | RunMessage
@@ -91,12 +128,18 @@ def run_message(output: SchedulerOutput) -> RunMessage:
             r = c.request
             p = r.sampling_params
             history = p.has_penalties
-            sampling = WireSampling(p, r.num_output_tokens, sorted(r.eos_token_ids),
+            sampling = WireSampling(WireParams.of(p), r.num_output_tokens,
+                                    sorted(r.eos_token_ids),
                                     r.prompt_token_ids if history else [],
                                     r.output_token_ids if history else [])
         chunks.append(WireChunk(c.request_id, c.start, c.num_tokens, c.block_table,
                                 c.token_ids, c.samples, sampling))
-    return RunMessage(chunks)
+    # Structured outputs (when the engine has them) constrain sampling with a bitmask.
+    mask = getattr(output, "token_bitmask", None)
+    bitmask = None if mask is None else WireBitmask(
+        list(mask.shape), mask.cpu().contiguous().numpy().tobytes(),
+        dict(getattr(output, "bitmask_rows", {})))
+    return RunMessage(chunks, bitmask)
 
 
 def result_message(output: RunnerOutput) -> RunResult:
@@ -139,7 +182,11 @@ class WorkerChunk:
 
 @dataclass
 class WorkerBatch:
+    """A batch as the model runner reads it (the fields of SchedulerOutput it uses)."""
+
     chunks: list[WorkerChunk] = field(default_factory=list)
+    token_bitmask: Any = None  # a tensor of int32 rows, or None
+    bitmask_rows: dict[str, int] = field(default_factory=dict)
 
 
 def worker_batch(message: RunMessage) -> WorkerBatch:
@@ -148,9 +195,17 @@ def worker_batch(message: RunMessage) -> WorkerBatch:
         view = None
         if c.sampling is not None:
             s = c.sampling
-            view = SamplingView(c.request_id, s.params, s.num_output_tokens,
+            view = SamplingView(c.request_id, s.params.sampling_params(), s.num_output_tokens,
                                 frozenset(s.eos_token_ids), s.prompt_token_ids,
                                 s.output_token_ids)
         chunks.append(WorkerChunk(c.request_id, c.start, c.num_tokens, c.block_table,
                                   c.token_ids, c.samples, view))
-    return WorkerBatch(chunks)
+    batch = WorkerBatch(chunks)
+    if message.bitmask is not None:
+        import torch
+
+        mask = message.bitmask
+        batch.token_bitmask = torch.frombuffer(bytearray(mask.data), dtype=torch.int32
+                                               ).reshape(mask.shape)
+        batch.bitmask_rows = dict(mask.rows)
+    return batch
