@@ -34,10 +34,10 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
     assert set(clean) == set(PROMPTS) and not failed
     sample = Sampler.__call__
 
-    def flaky(self, logits, requests):
+    def flaky(self, logits, requests, *constraints):
         if any(r.prompt_token_ids[0] == 666 and r.num_output_tokens == 3 for r in requests):
             raise RuntimeError("injected sampling failure")
-        return sample(self, logits, requests)
+        return sample(self, logits, requests, *constraints)
 
     monkeypatch.setattr(Sampler, "__call__", flaky)
     done, failed = _run(llm)
