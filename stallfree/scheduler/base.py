@@ -31,14 +31,11 @@ class Batch:
     preempted: list[str] = field(default_factory=list)
     num_tokens: int = 0
     stretched: bool = False  # token_budget was raised for one oversized whole prefill
+    num_admitted: int = 0  # requests moved from waiting to running by this iteration
 
     @property
     def budget_left(self) -> int:
         return self.token_budget - self.num_tokens
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(c.is_prefill for c in self.chunks.values())
 
     def stretch(self, num_tokens: int) -> None:
         """Raises this iteration's budget so exactly `num_tokens` more fit, and nothing after.
@@ -272,6 +269,7 @@ class Scheduler:
             request.num_cached_tokens = hit.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        batch.num_admitted += 1
         batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
                                  self.block_manager.block_table(request.request_id)))
         return True
@@ -300,7 +298,9 @@ class Scheduler:
         request = self.waiting[0]
         hit = self.block_manager.find_cached_prefix(request)
         num_tokens = request.num_tokens - hit.num_tokens
-        if (num_tokens > self.config.token_budget and not batch.has_prefill
+        # Counted by admissions, not by is_prefill: a recompute whose cached prefix leaves
+        # one token looks like a decode, yet it is an admission of this iteration too.
+        if (num_tokens > self.config.token_budget and not batch.num_admitted
                 and self._can_admit(request, num_tokens, hit)):
             batch.stretch(num_tokens)
         return self._try_admit(batch, num_tokens, hit)
