@@ -76,7 +76,7 @@ def run_profile(cfg: ProfileConfig) -> Path:
         # 10-15% fast or slow from one profile to the next.
         first, wall, cpu = profile_steps(engine, grid)
         _write(folder / "compute" / org_model / "mlp.csv",
-               profile_ops(engine.model, model_cfg, grid))
+               profile_ops(engine.executor.model, model_cfg, grid))  # one process: local
         heads, kv_heads = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
         _write(folder / "compute" / f"attention_n{heads * model_cfg.head_dim}_q{heads}"
                f"_kv{kv_heads}_tp1.csv",
