@@ -298,6 +298,9 @@ class LLMEngine:
         bm = self.block_manager
         self.executor.reset_kv(bm.num_total_blocks, bm.block_size)
         requeued = self.scheduler.preempt_all()
+        # Preempted blocks stay cached for their recompute, but their KV died with the
+        # workers: a hit now would read zeros.
+        bm.reset_prefix_cache()
         logger.warning("workers restarted; %d running sequences requeued for recompute",
                        len(requeued))
         return requeued

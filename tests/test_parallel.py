@@ -276,7 +276,8 @@ def test_server_restarts_crashed_workers_then_exits_when_it_cannot(small_model, 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.text for o in LLM(str(model), **ENGINE).generate(PROMPTS, params)]
     server = ServerProcess("--model", str(model), "-tp", "2", "--max-model-len", "256",
-                           "--max-num-batched-tokens", "16", "--served-model-name", "small")
+                           "--dtype", "float32", "--max-num-batched-tokens", "16",
+                           "--served-model-name", "small")
     try:
         workers = _children(server.proc.pid)
         assert len(workers) == 2
