@@ -136,13 +136,14 @@ class OnlineCost:
 
     `observe` refines it by recursive least squares with forgetting factor `forget`:
     an iteration `k` steps old weighs forget**k, so about 1 / (1 - forget) recent
-    iterations shape it. `prior` is the seed's uncertainty as a fraction of the
-    typical iteration (larger: the first observations move it more).
+    iterations shape it. `prior_weight`: how many typical iterations the seed counts
+    as (RLS's starting covariance is its inverse); small, so the machine's own
+    iterations soon outweigh a seed from another machine or from a short calibration.
     """
 
     coefficients: tuple[float, ...]
-    forget: float = 0.995
-    prior: float = 1.0
+    forget: float = 0.999
+    prior_weight: float = 10.0
     num_observed: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -152,8 +153,7 @@ class OnlineCost:
         self._theta = [c * s for c, s in zip(self.coefficients, _SCALES)]
         # Covariance in scaled units, capped at its start so that directions the
         # iterations never excite (e.g. no prefill for a while) cannot wind up.
-        spread = max(sum(abs(t) for t in self._theta), 1e-3) * self.prior
-        self._p0 = spread * spread
+        self._p0 = 1.0 / self.prior_weight
         self._p = [[self._p0 if i == j else 0.0 for j in range(_N)] for i in range(_N)]
 
     def predict(self, features: BatchFeatures) -> float:
