@@ -59,6 +59,13 @@ class SloSarathiScheduler(SarathiScheduler):
         assert config.tbt_slo is not None
         self.cost = cost
         self.target = config.tbt_slo * config.tbt_slo_margin
+        # An SLO no iteration can meet would stall every request: refuse it up front.
+        one_token = cost.predict(BatchFeatures().with_chunk(0, 1))
+        if one_token > self.target:
+            raise ValueError(
+                f"tbt_slo={config.tbt_slo} s is unreachable: an iteration of one token is "
+                f"predicted to take {one_token:.4g} s, more than tbt_slo x tbt_slo_margin "
+                f"({config.tbt_slo_margin}) = {self.target:.4g} s")
 
     def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
         out = super().schedule(now, busy)
