@@ -48,3 +48,42 @@ def test_the_iteration_log_leaves_the_slo_fields_out_without_one(tmp_path):
     log.close()
     text = (tmp_path / "plain.jsonl").read_text()
     assert "predicted_time" not in text and "token_budget" not in text
+
+
+# ---- metrics and the simulator (no model) ---------------------------------------------
+def test_metrics_record_budget_and_predicted_vs_measured():
+    from stallfree.outputs import IterationRecord
+    from stallfree.server.prometheus import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.observe_iteration(IterationRecord(0.0, 0.04, 30, 2, 3, 0, token_budget=40,
+                                              predicted_time=0.035))
+    metrics.observe_iteration(IterationRecord(0.0, 0.04, 30, 2, 3, 0))  # no SLO: not counted
+    text = metrics.render().decode()
+    assert 'stallfree:iteration_token_budget_sum{model_name="m"} 40.0' in text
+    assert 'stallfree:iteration_predicted_seconds_sum{model_name="m"} 0.035' in text
+    assert 'stallfree:iteration_measured_seconds_count{model_name="m"} 1.0' in text
+
+
+def test_the_simulator_runs_the_slo_scheduler_on_its_cost_model():
+    from stallfree.bench.workload import RequestSpec
+    from stallfree.config import SchedulerConfig
+    from stallfree.scheduler.cost_fit import BatchFeatures
+    from stallfree.sim.cost_model import BatchShape, ConstantCostModel
+    from stallfree.sim.simulator import SimConfig, simulate
+
+    cost = ConstantCostModel(base=0.01, per_token=2e-4)  # linear: the fit is exact
+    slo = 0.05  # x 0.8: 0.04 s, i.e. 150 tokens an iteration
+    specs = [RequestSpec(i, 0.1 * i, 300 + 20 * i, 20, [100 + j for j in range(300 + 20 * i)])
+             for i in range(12)]
+    config = SchedulerConfig("sarathi", None, 64, 1024, tbt_slo=slo)
+    result = simulate(specs, SimConfig(config, 4096, 16, 0.0, keep_outputs=True), cost)
+    assert all(r.is_finished for r in result.requests)
+    for out in result.outputs:
+        simulated = cost.iteration(BatchShape.from_output(out)).total()
+        assert out.predicted_time == pytest.approx(simulated, rel=1e-6)  # the fit is exact
+        assert simulated <= 0.8 * slo + 1e-9
+        assert out.token_budget == 150
+        features = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks)
+        assert features.decodes + features.prefill_tokens == out.num_batched_tokens
+    assert max(out.num_batched_tokens for out in result.outputs) == 150
