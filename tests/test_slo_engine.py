@@ -87,3 +87,21 @@ def test_the_simulator_runs_the_slo_scheduler_on_its_cost_model():
         features = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks)
         assert features.decodes + features.prefill_tokens == out.num_batched_tokens
     assert max(out.num_batched_tokens for out in result.outputs) == 150
+
+
+def test_the_cost_model_starts_from_a_profile_folder(tmp_path):
+    from argparse import Namespace
+
+    from stallfree.cli.args import slo_cost_seed
+    from stallfree.config import EngineConfig
+    from stallfree.scheduler.cost_fit import BatchFeatures
+    from test_sim_cpu_profile import write_cpu_profile
+
+    write_cpu_profile(tmp_path, "stallfree.paged_attention")
+    args = Namespace(profile=str(tmp_path))
+    cost = slo_cost_seed(args, EngineConfig.from_kwargs(tbt_slo=0.5, max_model_len=2048))
+    assert all(c >= 0 for c in cost.coefficients)
+    small, large = BatchFeatures(prefill_tokens=16), BatchFeatures(prefill_tokens=1024)
+    assert 0 < cost.predict(small) < cost.predict(large)
+    with pytest.raises(ValueError, match="--tbt-slo"):
+        slo_cost_seed(args, EngineConfig.from_kwargs(max_model_len=2048))
