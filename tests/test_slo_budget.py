@@ -142,6 +142,13 @@ def run_checked(sched: SloSarathiScheduler, arrivals: list[tuple[int, int, int]]
     raise AssertionError("requests left unfinished: something starved")
 
 
+def test_a_last_token_costing_as_a_decode_is_checked_as_one():
+    # Found by the property test: 12 tokens would fit as a prefill chunk, but the prompt
+    # of one token runs as a decode, which costs more than the room left.
+    arrivals = [(0, 1, 6), (0, 1256, 1), (0, 1, 1)]
+    run_checked(slo_scheduler(0.015625), arrivals, FakeExecutor(), learn=False)
+
+
 def test_decodes_kept_prefills_fit_and_progress():
     arrivals = [(i // 3, 40 + 37 * i % 900, 20 + i % 30) for i in range(30)]
     run_checked(slo_scheduler(0.05), arrivals, FakeExecutor(), learn=False)

@@ -33,9 +33,11 @@ def largest_fit(cost: OnlineCost, base: BatchFeatures, start: int, cap: int,
     """The most tokens (0..cap) a chunk at position `start` can add to a batch of features
     `base` with the predicted time within `target`.
 
-    A one-token chunk costs as a decode, several as a prefill chunk; beyond one token
-    the predicted time grows with the count (non-negative coefficients), so a binary
-    search finds the largest that fits.
+    A one-token chunk costs as a decode, several as a prefill chunk (a decode can cost
+    more than a short chunk: the answer is only for a chunk of exactly that size, so
+    cap must be what the chunk would take). Beyond one token the predicted time grows
+    with the count (non-negative coefficients), so a binary search finds the largest
+    that fits.
     """
     if cap < 1:
         return 0
@@ -79,9 +81,9 @@ class SloSarathiScheduler(SarathiScheduler):
             BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks))
         return out
 
-    def _chunk_limit(self, batch: Batch, start: int) -> int:
+    def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
         base = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in batch.chunks.values())
-        fit = largest_fit(self.cost, base, start, batch.budget_left, self.target)
+        fit = largest_fit(self.cost, base, start, min(wanted, batch.budget_left), self.target)
         # An iteration must compute something: alone, a chunk gets a token even if the
         # model (drifted since the start-up check) predicts that one token overruns.
         return max(fit, 1) if not batch.chunks and batch.budget_left else fit
