@@ -8,6 +8,7 @@ too, so the resolvers take the facts they need (is there CUDA?) as arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
@@ -20,6 +21,10 @@ POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = (*DTYPES, "auto")
 DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_TOKEN_BUDGET = 512
+# With --tbt-slo the SLO picks each iteration's budget; the budget is then only a cap,
+# one high enough not to bind where an iteration of that many tokens meets any sane SLO.
+SLO_TOKEN_BUDGET_CAP = 8192
 CUDA_KV_FRACTION = 0.85  # of the accelerator memory free after loading weights
 
 
@@ -59,20 +64,57 @@ def _check_positive_ints(config: object, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def parse_seconds(text: str) -> float:
+    """'0.2' -> 0.2; anything else is a ValueError naming what was expected."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {text!r}") from None
+
+
+def _check_positive_number(config: object, name: str, what: str = "number") -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive {what}, got {value!r}")
+
+
 @dataclass
 class SchedulerConfig:
     policy: str = option("sarathi", "scheduling rule", choices=POLICIES)
-    token_budget: int = option(
-        512, "tokens computed per iteration; smaller = steadier TBT, more chunking overhead",
-        flags=("--max-num-batched-tokens", "--token-budget"), aliases=("max_num_batched_tokens",))
+    # None resolves in __post_init__: DEFAULT_TOKEN_BUDGET, or SLO_TOKEN_BUDGET_CAP with tbt_slo.
+    token_budget: int | None = option(
+        None, f"tokens computed per iteration; smaller = steadier TBT, more chunking overhead "
+              f"(default {DEFAULT_TOKEN_BUDGET}; with --tbt-slo an upper cap, default "
+              f"{SLO_TOKEN_BUDGET_CAP})",
+        flags=("--max-num-batched-tokens", "--token-budget"), aliases=("max_num_batched_tokens",),
+        parse=int)
     max_num_seqs: int = option(128, "requests running at once")
     max_model_len: int | None = option(
         None, "prompt + output limit per request (default: the model's own)", parse=int)
+    tbt_slo: float | None = option(
+        None, "time-between-tokens target in seconds (sarathi only): each iteration keeps every "
+              "decode and adds prefill tokens only while its predicted time stays within "
+              "tbt_slo x tbt_slo_margin; admission stops when the decode batch would not fit",
+        parse=parse_seconds)
+    tbt_slo_margin: float = option(
+        0.8, "share of --tbt-slo an iteration's predicted time may fill: the rest absorbs "
+             "prediction error and the time between iterations", parse=float)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.token_budget is None:
+            self.token_budget = DEFAULT_TOKEN_BUDGET if self.tbt_slo is None \
+                else SLO_TOKEN_BUDGET_CAP
         _check_positive_ints(self, "token_budget", "max_num_seqs")
+        if self.tbt_slo is not None:
+            _check_positive_number(self, "tbt_slo", "number of seconds")
+            if self.policy != "sarathi":
+                raise ValueError(f"tbt_slo needs the sarathi policy, not {self.policy!r}")
+        _check_positive_number(self, "tbt_slo_margin")
+        if self.tbt_slo_margin > 1:
+            raise ValueError(f"tbt_slo_margin must be in (0, 1], got {self.tbt_slo_margin!r}")
         if self.max_model_len is not None:
             _check_positive_ints(self, "max_model_len")
 

@@ -22,6 +22,7 @@ from .config import (
 from .distributed.distributed_executor import DistributedExecutor, threads_per_worker
 from .distributed.worker import WorkerConfig
 from .executor.base import Executor
+from .executor.cost_probe import calibrate
 from .executor.hardware import available_cores, probe_cpu_bf16
 from .executor.local import LocalExecutor
 from .model.config import ModelConfig
@@ -41,7 +42,8 @@ from .outputs import (
 from .request import RequestStatus
 from .request_group import RequestGroup
 from .sampling_params import SamplingParams
-from .scheduler import make_scheduler
+from .scheduler import OnlineCost, make_scheduler
+from .scheduler.cost_fit import BatchFeatures
 from .scheduler.kv_cache import BlockManager
 from .scheduler.output import SchedulerOutput
 from .scheduler.pipeline import next_micro_batch
@@ -81,8 +83,12 @@ def make_executor(config: EngineConfig, device: torch.device,
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None,
+                 cost_seed: OnlineCost | None = None) -> None:
+        """`cost_seed`: with tbt_slo, the iteration cost model to start from (e.g. fitted
+        to a `stallfree profile` result); None calibrates one at start-up."""
         self.config = config = config or EngineConfig()
+        self.cost: OnlineCost | None = cost_seed
         self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
         threads = resolve_threads(config.threads, os.environ.get("OMP_NUM_THREADS"),
                                   available_cores())
@@ -126,8 +132,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.watermark,
                                           cache_config.enable_prefix_caching, namespace)
-        self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.executor.reset_kv(num_blocks, cache_config.block_size)
+        if scheduler_config.tbt_slo is not None and self.cost is None:
+            self.cost = calibrate(self.executor, num_blocks, cache_config.block_size,
+                                  self.max_model_len)
+            logger.info("tbt_slo: iteration cost calibrated: %s", self.cost.describe())
+        self.scheduler = make_scheduler(scheduler_config, self.block_manager, self.cost)
         self._groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
         self._matchers = GrammarMatchers(self.model_config.vocab_size)
@@ -254,6 +264,12 @@ class LLMEngine:
                                      cpu_time=time.thread_time() - flight.cpu_start,
                                      stage_times=tuple(result.stage_times))
         self.iterations.append(record)
+        if self.cost is not None and self.executor.depth == 1:
+            # The SLO's model follows this machine: every completed iteration refines it
+            # (under PP, end - start would include the wait behind other micro-batches).
+            self.cost.observe(BatchFeatures.of_shape(record.prefill_chunks,
+                                                     record.decode_contexts),
+                              end - record.start)
         outputs = []
         for c in output.chunks:
             # A chunk that ends mid-prompt produced nothing to report.

@@ -16,6 +16,7 @@ from typing import TextIO
 from .outputs import IterationRecord
 
 _SKIPPED = ("request_ids",)  # long and private; the shape of the batch is what matters
+_IF_SET = ("token_budget", "predicted_time")  # only under a TBT SLO
 
 
 class IterationLog:
@@ -36,7 +37,8 @@ class IterationLog:
             self._file.write(json.dumps({"iteration_log": 1, **settings}) + "\n")
 
     def write(self, record: IterationRecord) -> None:
-        row = {k: v for k, v in dataclasses.asdict(record).items() if k not in _SKIPPED}
+        row = {k: v for k, v in dataclasses.asdict(record).items()
+               if k not in _SKIPPED and not (k in _IF_SET and v is None)}
         with self._lock:
             if not self._file.closed:
                 self._file.write(json.dumps(row, separators=(",", ":")) + "\n")

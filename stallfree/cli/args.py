@@ -15,6 +15,7 @@ from typing import Any
 
 from ..bench.workload import WorkloadConfig
 from ..config import EngineConfig, engine_setting_fields, parse_size, setting_fields
+from ..scheduler.cost_fit import OnlineCost
 
 _BUILTINS: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
 
@@ -117,6 +118,30 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def engine_config_from_args(args: argparse.Namespace, **changes: Any) -> EngineConfig:
     """The EngineConfig of parsed `add_engine_args` flags (with some settings changed)."""
     return EngineConfig.from_kwargs(**(engine_kwargs(args) | changes))
+
+
+def add_profile_arg(parser: argparse.ArgumentParser) -> None:
+    """`--profile DIR`: the TBT SLO's cost model starts from a `stallfree profile` result."""
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="with --tbt-slo: start the iteration cost model from this "
+                             "`stallfree profile` folder (device cpu) instead of a short "
+                             "calibration at start-up")
+
+
+def slo_cost_seed(args: argparse.Namespace, config: EngineConfig) -> OnlineCost | None:
+    """The `OnlineCost` fitted to the `--profile` folder's cost model, or None without one."""
+    if args.profile is None:
+        return None
+    sched = config.scheduler
+    if sched.tbt_slo is None:
+        raise ValueError("--profile seeds the cost model of --tbt-slo: give --tbt-slo too")
+    from ..sim.run import Deployment  # the simulator's cost model, without torch
+    from ..sim.slo_fit import fit_cost_model
+
+    deployment = Deployment(model=config.model or "smollm2-135m", gpu="cpu",
+                            profile_dir=args.profile)
+    return fit_cost_model(deployment.cost_model(), sched.token_budget,
+                          sched.max_model_len or sched.token_budget)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

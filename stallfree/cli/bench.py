@@ -15,7 +15,7 @@ from typing import Any
 from ..bench.capacity import SearchConfig
 from ..bench.config import PERCENTILES, BenchConfig, CapacityConfig, ClientConfig, SLOs
 from ..bench.workload import WorkloadConfig
-from ..config import SchedulerConfig
+from ..config import DEFAULT_TOKEN_BUDGET
 from .args import (
     add_setting_args,
     add_workload_args,
@@ -91,7 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="labels for --base-url then --server-cmd, in order")
     sys_.add_argument("--policy", type=words, default=[],
                       help="start our server with each policy, e.g. sarathi,vllm,orca")
-    sys_.add_argument("--token-budget", type=ints, default=[SchedulerConfig.token_budget])
+    sys_.add_argument("--token-budget", type=ints, default=[DEFAULT_TOKEN_BUDGET])
     sys_.add_argument("--server-model", default=None, help="model for our server (default one)")
     sys_.add_argument("--server-args", default="", help="extra flags for our server")
     add_setting_args(sys_, pick(CapacityConfig, "startup_timeout", "log_dir"))

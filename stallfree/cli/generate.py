@@ -6,12 +6,19 @@ import json
 from typing import Any
 
 from ..sampling_params import SamplingParams
-from .args import add_engine_args, engine_kwargs
+from .args import (
+    add_engine_args,
+    add_profile_arg,
+    engine_config_from_args,
+    engine_kwargs,
+    slo_cost_seed,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     gen = subparsers.add_parser("generate", help="complete prompts offline and print the results")
     add_engine_args(gen)
+    add_profile_arg(gen)
     # A command-line run wants more than SamplingParams' 16 tokens, and greedy by default.
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -32,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    with LLM(**engine_kwargs(args)) as llm:
+    seed = slo_cost_seed(args, engine_config_from_args(args))
+    with LLM(cost_seed=seed, **engine_kwargs(args)) as llm:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:

@@ -5,12 +5,20 @@ import argparse
 from typing import Any
 
 from ..config import setting_fields
-from .args import add_engine_args, add_setting_args, engine_config_from_args, settings_from_args
+from .args import (
+    add_engine_args,
+    add_profile_arg,
+    add_setting_args,
+    engine_config_from_args,
+    settings_from_args,
+    slo_cost_seed,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     srv = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(srv)
+    add_profile_arg(srv)
     from ..server.config import ServerConfig  # light: no fastapi or torch until run
 
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -30,4 +38,5 @@ def run(args: argparse.Namespace) -> int:
     from ..server import ServerConfig, serve
 
     engine_config = engine_config_from_args(args, model=_model(args))
-    return serve(engine_config, ServerConfig(**settings_from_args(ServerConfig, args)))
+    return serve(engine_config, ServerConfig(**settings_from_args(ServerConfig, args)),
+                 slo_cost_seed(args, engine_config))

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..bench.config import BenchConfig, SLOs
 from ..bench.workload import WorkloadConfig
-from ..config import POLICIES, SchedulerConfig, setting_fields
+from ..config import DEFAULT_TOKEN_BUDGET, POLICIES, SchedulerConfig, setting_fields
 from ..sim.calibrate import DEFAULT_TOLERANCE
 from ..sim.run import Deployment, scheduler_setups
 from .args import (
@@ -59,7 +59,7 @@ def _add_common(p: argparse.ArgumentParser, suppress: bool) -> None:
     s.add_argument("--policy", type=words, default=[SchedulerConfig.policy],
                    help="one (or, for capacity, a comma list crossed with --token-budget)")
     s.add_argument("--token-budget", "--max-num-batched-tokens", dest="token_budget",
-                   type=ints, default=[SchedulerConfig.token_budget])
+                   type=ints, default=[DEFAULT_TOKEN_BUDGET])
     s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     s.add_argument("--system", action="append", type=flag_type(parse_system), default=[],
                    metavar="POLICY[:BUDGET[:MAX_SEQS]]",

@@ -4,11 +4,13 @@ from __future__ import annotations
 from ..config import SchedulerConfig
 from .base import Scheduler
 from .chunked_only import ChunkedOnlyScheduler
+from .cost_fit import OnlineCost
 from .kv_cache import BlockManager
 from .orca import OrcaScheduler
 from .output import ScheduledChunk, SchedulerOutput
 from .request_level import RequestLevelScheduler
 from .sarathi import SarathiScheduler
+from .slo_sarathi import SloSarathiScheduler
 from .vllm import VLLMScheduler
 
 # One entry per policy in config.POLICIES.
@@ -21,8 +23,14 @@ _POLICIES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
-    """Builds the scheduler of the policy named by `config.policy`."""
+def make_scheduler(config: SchedulerConfig, block_manager: BlockManager,
+                   cost: OnlineCost | None = None) -> Scheduler:
+    """Builds the scheduler of the policy named by `config.policy`; with `config.tbt_slo`,
+    sarathi's budget comes from the SLO and `cost`, the iteration time's prediction."""
+    if config.tbt_slo is not None:
+        if cost is None:
+            raise ValueError("tbt_slo needs a cost model to predict iteration times")
+        return SloSarathiScheduler(config, block_manager, cost)
     try:
         cls = _POLICIES[config.policy]
     except KeyError:
@@ -31,6 +39,6 @@ def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Sche
     return cls(config, block_manager)
 
 
-__all__ = ["BlockManager", "ChunkedOnlyScheduler", "OrcaScheduler", "RequestLevelScheduler",
-           "SarathiScheduler", "ScheduledChunk", "Scheduler", "SchedulerOutput", "VLLMScheduler",
-           "make_scheduler"]
+__all__ = ["BlockManager", "ChunkedOnlyScheduler", "OnlineCost", "OrcaScheduler",
+           "RequestLevelScheduler", "SarathiScheduler", "ScheduledChunk", "Scheduler",
+           "SchedulerOutput", "SloSarathiScheduler", "VLLMScheduler", "make_scheduler"]

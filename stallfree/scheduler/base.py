@@ -284,9 +284,15 @@ class Scheduler:
         while self.waiting and batch.budget_left > 0:
             head = self.waiting[0]
             hit = self.block_manager.find_cached_prefix(head)
-            num_tokens = min(head.num_tokens - hit.num_tokens, batch.budget_left)
-            if not self._try_admit(batch, num_tokens, hit):
+            num_tokens = self._chunk_size(batch, hit.num_tokens, head.num_tokens - hit.num_tokens)
+            if num_tokens == 0 or not self._try_admit(batch, num_tokens, hit):
                 return  # no skipping: a large request at the head must not starve
+
+    def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
+        """How many of `wanted` tokens a prefill chunk starting at position `start` gets in
+        `batch`: as many as the budget left allows, unless a policy limits it further
+        (the TBT SLO's budget); 0 if none."""
+        return min(wanted, batch.budget_left)
 
     def _try_admit_whole(self, batch: Batch) -> bool:
         """Admits the head of the waiting queue with its whole prefill (no chunking), if it fits.

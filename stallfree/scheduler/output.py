@@ -67,6 +67,10 @@ class SchedulerOutput:
     # Set by the engine after scheduling; opaque to the scheduler.
     token_bitmask: Any = None
     bitmask_rows: dict[str, int] = field(default_factory=dict)
+    # Under a TBT SLO (slo_sarathi.py): the token budget this iteration was given, and
+    # its predicted time in seconds. None under a fixed budget.
+    token_budget: int | None = None
+    predicted_time: float | None = None
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = sum(c.num_tokens for c in self.chunks if c.is_prefill)
@@ -89,4 +93,6 @@ class SchedulerOutput:
                                len(self.chunks), len(self.preempted),
                                tuple(c.request_id for c in self.chunks),
                                prefill_chunks=prefills, decode_contexts=decodes,
-                               num_sampled=sum(c.samples for c in self.chunks))
+                               num_sampled=sum(c.samples for c in self.chunks),
+                               token_budget=self.token_budget,
+                               predicted_time=self.predicted_time)

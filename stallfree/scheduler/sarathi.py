@@ -28,7 +28,10 @@ class SarathiScheduler(Scheduler):
                 break
             if (request.status is RequestStatus.RUNNING and request.is_prefill
                     and request.request_id not in batch.chunks):
-                num_tokens = min(request.num_tokens_to_compute, batch.budget_left)
+                num_tokens = self._chunk_size(batch, request.num_computed_tokens,
+                                              request.num_tokens_to_compute)
+                if num_tokens == 0:
+                    break
                 self._schedule_running(batch, request, num_tokens)
 
         # (3) New (or preempted) requests.

@@ -326,7 +326,7 @@ class AsyncEngine:
         step = self.engine.step()
         record = step.record
         if record is not None:
-            metrics.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+            metrics.observe_iteration(record)
             if self.iteration_log is not None:
                 self._write_log(record)
             if record.num_preempted:

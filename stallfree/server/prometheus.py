@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..outputs import EngineInfo, RequestOutput
+from ..outputs import EngineInfo, IterationRecord, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -59,6 +59,17 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens (prefill + decode) computed per iteration.",
                                           _ITERATION_TOKEN_BUCKETS)
+        # Under --tbt-slo: the budget the SLO gave each iteration, and its predicted and
+        # measured seconds (how well the online cost model tracks this machine).
+        self.iteration_budget = histogram(
+            "iteration_token_budget", "Token budget the TBT SLO allowed each iteration.",
+            _ITERATION_TOKEN_BUCKETS)
+        self.iteration_predicted = histogram(
+            "iteration_predicted_seconds", "Predicted time of each iteration under the TBT SLO, "
+            "in seconds.", _ITL_BUCKETS)
+        self.iteration_measured = histogram(
+            "iteration_measured_seconds", "Measured time of each iteration under the TBT SLO, "
+            "in seconds.", _ITL_BUCKETS)
         self.running = gauge("num_requests_running", "Sequences running in the engine.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
@@ -102,6 +113,14 @@ class ServerMetrics:
             self.e2e.observe(max(0.0, max(ends) - out.arrival_time))
         if out.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
+
+    def observe_iteration(self, record: IterationRecord) -> None:
+        """One completed engine iteration."""
+        self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+        if record.predicted_time is not None:
+            self.iteration_budget.observe(record.token_budget)
+            self.iteration_predicted.observe(record.predicted_time)
+            self.iteration_measured.observe(record.end - record.start)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

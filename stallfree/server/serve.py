@@ -5,12 +5,15 @@ import logging
 import sys
 
 from ..config import EngineConfig
+from ..scheduler.cost_fit import OnlineCost
 from .config import ServerConfig
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def serve(engine_config: EngineConfig, server_config: ServerConfig,
+          cost_seed: OnlineCost | None = None) -> int:
     """Loads the engine, then serves until interrupted. Returns an exit status
-    (2, with the reason on stderr, when a setting or a file is refused)."""
+    (2, with the reason on stderr, when a setting or a file is refused). `cost_seed`:
+    the TBT SLO's starting cost model (default: calibrated at start-up)."""
     # Heavy imports here, so that `import stallfree.server` stays cheap for the CLI.
     import uvicorn
 
@@ -23,7 +26,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         # Opened before the model loads, so a bad path fails fast.
         log = IterationLog(server_config.iteration_log) if server_config.iteration_log else None
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(engine_config, cost_seed)
     except (ValueError, OSError) as err:
         if log is not None:
             log.close()

@@ -36,6 +36,7 @@ from ..scheduler import BlockManager, Scheduler, make_scheduler
 from ..scheduler.output import SchedulerOutput
 from ..scheduler.pipeline import next_micro_batch
 from .cost_model import BatchShape, CostModel
+from .slo_fit import fit_cost_model
 
 FAKE_TOKEN = 0  # never an EOS: requests carry ignore_eos and no stop tokens
 
@@ -139,7 +140,12 @@ class Simulator:
         self.pp = cost.pp
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark,
                                           config.enable_prefix_caching)
-        self.scheduler: Scheduler = make_scheduler(config.scheduler, self.block_manager)
+        sched = config.scheduler
+        # Under a TBT SLO the scheduler predicts with the scheduler's linear model fitted to
+        # this cost model (no online refit: the simulated times are the cost model's).
+        slo_cost = None if sched.tbt_slo is None else fit_cost_model(
+            cost, sched.token_budget, sched.max_model_len)
+        self.scheduler: Scheduler = make_scheduler(sched, self.block_manager, slo_cost)
         self.now = 0.0
         self.iterations: list[Iteration] = []
         self.outputs: list[SchedulerOutput] = []

@@ -1,0 +1,99 @@
+"""Sarathi-Serve with the token budget chosen every iteration from a TBT SLO.
+
+The paper fixes the budget per deployment by offline profiling. Here the user states
+the time between tokens they promise (`tbt_slo`), and every iteration does the most
+work predicted to fit within `tbt_slo x tbt_slo_margin`:
+
+- every running decode is kept, as in plain sarathi (stall-free: a decode is never
+  dropped to make room, even when the decodes alone overrun the target);
+- each prefill chunk gets the largest token count whose predicted iteration time
+  still fits, with `token_budget` (--max-num-batched-tokens) as an upper cap;
+- a waiting request is admitted only if the decode batch it joins (every running
+  request plus it, each at its current length) is predicted to fit, so admission
+  does not build a decode batch the SLO cannot carry. With nothing running a
+  request is admitted whatever its length, so none waits forever.
+
+The prediction is `cost_fit.OnlineCost`, which the engine refines from each measured
+iteration (the simulator predicts with a fit of its cost model).
+"""
+from __future__ import annotations
+
+from ..config import SchedulerConfig
+from ..request import Request
+from .base import Batch
+from .cost_fit import BatchFeatures, OnlineCost
+from .kv_cache import BlockManager
+from .output import SchedulerOutput
+from .prefix_cache import PrefixHit
+from .sarathi import SarathiScheduler
+
+
+def largest_fit(cost: OnlineCost, base: BatchFeatures, start: int, cap: int,
+                target: float) -> int:
+    """The most tokens (0..cap) a chunk at position `start` can add to a batch of features
+    `base` with the predicted time within `target`.
+
+    A one-token chunk costs as a decode, several as a prefill chunk (a decode can cost
+    more than a short chunk: the answer is only for a chunk of exactly that size, so
+    cap must be what the chunk would take). Beyond one token the predicted time grows
+    with the count (non-negative coefficients), so a binary search finds the largest
+    that fits.
+    """
+    if cap < 1:
+        return 0
+    best = 1 if cost.predict(base.with_chunk(start, 1)) <= target else 0
+    lo, hi = 2, cap  # invariant: every count below lo that is >= 2 fits
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if cost.predict(base.with_chunk(start, mid)) <= target:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+class SloSarathiScheduler(SarathiScheduler):
+    """`SarathiScheduler` whose budget is what the predicted time within the SLO allows."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 cost: OnlineCost) -> None:
+        super().__init__(config, block_manager)
+        assert config.tbt_slo is not None
+        self.cost = cost
+        self.target = config.tbt_slo * config.tbt_slo_margin
+        # An SLO no iteration can meet would stall every request: refuse it up front.
+        one_token = cost.predict(BatchFeatures().with_chunk(0, 1))
+        if one_token > self.target:
+            raise ValueError(
+                f"tbt_slo={config.tbt_slo} s is unreachable: an iteration of one token is "
+                f"predicted to take {one_token:.4g} s, more than tbt_slo x tbt_slo_margin "
+                f"({config.tbt_slo_margin}) = {self.target:.4g} s")
+
+    def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
+        out = super().schedule(now, busy)
+        decodes = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks
+                                          if not c.is_prefill)
+        # The budget this iteration had: its decodes plus the most tokens of a fresh
+        # (uncached) chunk that fit; chunks after a cached prefix get somewhat fewer.
+        out.token_budget = decodes.decodes + largest_fit(
+            self.cost, decodes, 0, self.config.token_budget - decodes.decodes, self.target)
+        out.predicted_time = self.cost.predict(
+            BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks))
+        return out
+
+    def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
+        base = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in batch.chunks.values())
+        fit = largest_fit(self.cost, base, start, min(wanted, batch.budget_left), self.target)
+        # An iteration must compute something: alone, a chunk gets a token even if the
+        # model (drifted since the start-up check) predicts that one token overruns.
+        return max(fit, 1) if not batch.chunks and batch.budget_left else fit
+
+    def _can_admit(self, request: Request, num_tokens: int, hit: PrefixHit) -> bool:
+        if not super()._can_admit(request, num_tokens, hit):
+            return False
+        if not self.running:
+            return True
+        joined = BatchFeatures(decodes=len(self.running) + 1,
+                               decode_context=sum(r.num_tokens for r in self.running)
+                               + request.num_tokens)
+        return self.cost.predict(joined) <= self.target
