@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from server_utils import FakeEngine, ThreadServer
+from stallfree.bench import capacity_run
+from stallfree.bench.capacity import SLO_BUDGET
+from stallfree.bench.systems import build_systems
 from stallfree.cli import main as cli_main
 from stallfree.server.api import build_app
 
@@ -76,3 +80,54 @@ def test_capacity_and_plots(fake_server, tmp_path):
     names = {p.name for p in pngs.iterdir()}
     assert {"tbt_cdf.png", "vs_rate.png", "capacity.png"} <= names
     assert any(n.startswith("timeline_") for n in names)
+
+
+class StartedCommands:
+    """In place of `ServerProcess`: records each command and points at the fake server."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.commands: list[list[str]] = []
+
+    def __call__(self, system, startup_timeout, log_dir):
+        self.commands.append(system.command)
+        return SimpleNamespace(base_url=self.url, log_path="server.log",
+                               proc=SimpleNamespace(pid=0), stop=lambda: None)
+
+
+def test_slo_budget_is_our_server_with_the_slo_under_test():
+    fixed, slo = build_systems([], [], [], ["sarathi"], [64, SLO_BUDGET])
+    assert (fixed.label, slo.label) == ("stallfree-sarathi-64", "stallfree-sarathi-slo")
+    assert not fixed.targets_slo and fixed.at_slo(0.5) is fixed
+    assert slo.targets_slo and "--token-budget" not in slo.command
+    cmd = slo.at_slo(0.25).command
+    assert cmd[cmd.index("--tbt-slo") + 1] == "0.25"
+    with pytest.raises(ValueError, match="sarathi"):
+        build_systems([], [], [], ["vllm"], [SLO_BUDGET])
+
+
+def test_capacity_starts_an_slo_system_once_per_slo(fake_server, tmp_path, monkeypatch):
+    started = StartedCommands(fake_server.url)
+    monkeypatch.setattr(capacity_run, "ServerProcess", started)
+    out = tmp_path / "cap.json"
+    rc = cli_main(["bench", "capacity", "--policy", "sarathi", "--token-budget", "64,slo",
+                   "--server-cmd", "peer --port {port} --slo {tbt_slo}", "--system-label",
+                   "peer", "--tbt-slo", "0.5,1.0", "--num-prompts", "2", "--start-rate", "20",
+                   "--max-trials", "1", "--warmup-prompts", "0", "--result-file", str(out),
+                   *COMMON])
+    assert rc == 0
+    slos = [c[c.index(flag) + 1] for c in started.commands
+            for flag in ("--tbt-slo", "--slo") if flag in c]
+    assert slos == ["0.5", "1.0", "0.5", "1.0"]  # the peer, then our server, once per SLO
+    cap = json.loads(out.read_text())
+    entries = [(s["label"], s["tbt_slo_target_s"], [r["criterion"]["tbt_slo_s"]
+                                                    for r in s["results"]])
+               for s in cap["systems"]]
+    assert entries == [("peer", 0.5, [0.5]), ("peer", 1.0, [1.0]),
+                       ("stallfree-sarathi-64", None, [0.5, 1.0]),
+                       ("stallfree-sarathi-slo", 0.5, [0.5]),
+                       ("stallfree-sarathi-slo", 1.0, [1.0])]
+    assert len(cap["summary"]) == 6 and all(s["capacity_qps"] >= 20 for s in cap["summary"])
+    pngs = tmp_path / "png"  # a line per target on the rate plot
+    assert cli_main(["bench", "plot", str(out), "--out-dir", str(pngs)]) == 0
+    assert {"vs_rate.png", "capacity.png"} <= {p.name for p in pngs.iterdir()}

@@ -21,18 +21,43 @@ Search: a doubling bracket from `start_rate` (up while passing, down while
 failing), then bisection until hi <= lo * (1 + precision). The capacity is
 `lo`, the highest rate that passed; the true threshold lies in [lo, hi)
 if pass/fail is monotonic in the rate (it is noisy near the threshold).
+
+A system whose scheduler targets the SLO under test (a token budget of `slo`:
+sarathi with `tbt_slo` = that SLO) cannot share trials across SLOs: it is searched
+once per SLO (`SearchConfig.split`), by the same criterion as every other system.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import option
 
 SCHED_SOURCES = ("auto", "response", "prometheus", "ttft")
 Metrics = dict[str, Any]
+# A token budget that is the TBT SLO under test (`--token-budget slo`, `--system sarathi:slo`).
+SLO_BUDGET = "slo"
+Budget = int | str  # a token count, or SLO_BUDGET
+
+
+def parse_budget(text: str) -> Budget:
+    """'512' -> 512; 'slo' -> SLO_BUDGET (sarathi with the SLO under test as its tbt_slo)."""
+    if text.strip().lower() == SLO_BUDGET:
+        return SLO_BUDGET
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"a token budget is an integer or {SLO_BUDGET!r}, got {text!r}") \
+            from None
+
+
+def check_slo_budget(policy: str, budget: Budget | None) -> None:
+    """A budget of `slo` is sarathi's alone (the only policy with a TBT SLO target)."""
+    if budget == SLO_BUDGET and policy != "sarathi":
+        raise ValueError(f"a token budget of {SLO_BUDGET!r} needs the sarathi policy, "
+                         f"not {policy!r}")
 
 
 @dataclass
@@ -146,6 +171,14 @@ class SearchConfig:
                on_trial: Callable[[Trial], None] | None = None) -> SearchResult:
         return search_capacity(trial, criterion, self.start_rate, self.precision, self.min_rate,
                                self.max_rate, self.max_trials, on_trial)
+
+    def split(self, per_slo: bool) -> list[tuple[float | None, SearchConfig]]:
+        """The searches of one system, each as (the SLO its scheduler targets, the search):
+        one covering every SLO with shared trials (target None) or, when `per_slo` (the
+        system's scheduler targets the SLO under test), one per SLO."""
+        if not per_slo:
+            return [(None, self)]
+        return [(slo, replace(self, tbt_slos=[slo])) for slo in self.tbt_slos]
 
     def describe(self) -> dict[str, Any]:
         return {"start_rate": self.start_rate, "precision": self.precision,

@@ -2,7 +2,9 @@
 
 For each system: start it (or use its URL), send a few warm-up requests,
 then search once per TBT SLO. Trials are cached by rate per system, so the
-strict and relaxed searches share every rate they both try, and the low-rate
+strict and relaxed searches share every rate they both try (a system whose
+command takes the SLO under test, `{tbt_slo}`, is started and searched once per
+SLO instead: its entries carry `tbt_slo_target_s`), and the low-rate
 TTFT baseline (only for the `ttft` scheduling-delay source) is measured at
 most once. The result file is rewritten after each system, so a crash or
 an interrupt keeps what was measured.
@@ -83,33 +85,43 @@ def with_min_rate_floor(cfg: CapacityConfig) -> CapacityConfig:
     return dataclasses.replace(cfg, search=search)
 
 
+def start_and_measure(cfg: CapacityConfig, system: System) -> dict[str, Any]:
+    """The system's entry of the result file: started (if it has a command), measured,
+    stopped; an error that kept it from being measured is in the entry."""
+    server = None
+    try:
+        if system.command is not None:
+            print(f"[{system.label}] starting: {shlex.join(system.command)}", flush=True)
+            server = ServerProcess(system, cfg.startup_timeout, cfg.log_dir)
+            url = server.base_url
+        else:
+            url = system.base_url or ""
+        entry = measure_system(cfg, system, url)
+        if server is not None:
+            entry |= {"log": server.log_path, "pid": server.proc.pid}
+    except (RuntimeError, TimeoutError, OSError) as err:
+        print(f"[{system.label}] error: {err}", flush=True)
+        entry = {"label": system.label, "command": system.command, "error": str(err),
+                 "results": []}
+    finally:
+        if server is not None:
+            server.stop()
+    return entry
+
+
 def run_capacity(systems: list[System], cfg: CapacityConfig) -> dict[str, Any]:
-    """Measures each system in turn (starting and stopping those with a command); returns
-    the result document, also saved to `cfg.result_file` after each system."""
+    """Measures each system in turn (starting and stopping those with a command; one whose
+    command takes the SLO under test once per SLO); returns the result document, also saved
+    to `cfg.result_file` after each system."""
     cfg = with_min_rate_floor(cfg)
     search = cfg.search.describe() | {"max_duration_per_trial": cfg.bench.client.max_duration,
                                       "warmup_prompts": cfg.warmup_prompts}
     doc = new_document(cfg.bench.workload, search, cfg.search.tbt_slos, cpu_count=os.cpu_count())
     for system in systems:
-        server = None
-        try:
-            if system.command is not None:
-                print(f"[{system.label}] starting: {shlex.join(system.command)}", flush=True)
-                server = ServerProcess(system, cfg.startup_timeout, cfg.log_dir)
-                url = server.base_url
-            else:
-                url = system.base_url or ""
-            entry = measure_system(cfg, system, url)
-            if server is not None:
-                entry |= {"log": server.log_path, "pid": server.proc.pid}
-        except (RuntimeError, TimeoutError, OSError) as err:
-            print(f"[{system.label}] error: {err}", flush=True)
-            entry = {"label": system.label, "command": system.command, "error": str(err),
-                     "results": []}
-        finally:
-            if server is not None:
-                server.stop()
-        add_system(doc, entry)
-        if cfg.result_file:
-            save_json(cfg.result_file, headline(doc))
+        for target, slo_search in cfg.search.split(system.targets_slo):
+            entry = start_and_measure(dataclasses.replace(cfg, search=slo_search),
+                                      system.at_slo(target))
+            add_system(doc, {"label": system.label, "tbt_slo_target_s": target} | entry)
+            if cfg.result_file:
+                save_json(cfg.result_file, headline(doc))
     return doc

@@ -81,11 +81,16 @@ def _searches(capacity: list[Report]) -> list[tuple[str, float, Report]]:
 
 
 def _trials_by_system(capacity: list[Report]) -> dict[str, list[Report]]:
-    """Each system's trials, one per rate (the searches of several SLOs share them)."""
+    """Each system's trials, one per rate (the searches of several SLOs share them; a
+    system targeting the SLO under test has a line per target)."""
     out: dict[str, dict[float, Report]] = {}
-    for label, _, res in _searches(capacity):
-        for t in res["trials"]:
-            out.setdefault(label, {})[t["rate"]] = t
+    for cap in capacity:
+        for sys_ in cap.get("systems", []):
+            target = sys_.get("tbt_slo_target_s")
+            label = sys_["label"] + ("" if target is None else f" @ {target * 1e3:g} ms")
+            for res in sys_["results"]:
+                for t in res["trials"]:
+                    out.setdefault(label, {})[t["rate"]] = t
     return {label: [trials[r] for r in sorted(trials)] for label, trials in out.items()}
 
 

@@ -3,7 +3,9 @@
 A `System` is a label plus either a URL of a running server or a command
 (with `{port}` where the port goes). Our own server's configurations
 (`--policy sarathi,vllm --token-budget 256,512`) become commands of
-`python -m stallfree serve`, one per (policy, budget) pair.
+`python -m stallfree serve`, one per (policy, budget) pair; a budget of `slo`
+starts sarathi with `--tbt-slo {tbt_slo}`. A command holding `{tbt_slo}` is
+started once per SLO under test, with that SLO (`System.at_slo`).
 
 The server runs in a new session (process group) so that a server which
 forks workers (vLLM's engine core) can be cleaned up completely: stop()
@@ -21,9 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
+
+from .capacity import SLO_BUDGET, Budget, check_slo_budget
+
+TBT_SLO_FIELD = "{tbt_slo}"  # in a command: the TBT SLO under test, in seconds
 
 
 @dataclass
@@ -33,6 +39,21 @@ class System:
     command: list[str] | None = None  # start this ({port} substituted) instead
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def targets_slo(self) -> bool:
+        """Its command takes the SLO under test: it is started (and searched) once per SLO."""
+        return any(TBT_SLO_FIELD in a for a in self.command or ())
+
+    def at_slo(self, slo: float | None) -> System:
+        """This system with the SLO under test in its command (itself if it takes none)."""
+        if not self.targets_slo:
+            return self
+        if slo is None:
+            raise ValueError(f"{self.label}: its command needs the TBT SLO under test")
+        assert self.command is not None
+        return replace(self, command=[a.replace(TBT_SLO_FIELD, repr(float(slo)))
+                                      for a in self.command])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,14 +61,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stallfree_systems(policies: list[str], budgets: list[int], extra_args: list[str],
+def stallfree_systems(policies: list[str], budgets: list[Budget], extra_args: list[str],
                       max_model_len: int | None = None, model: str | None = None) -> list[System]:
-    """Our server for every (policy, token budget) pair."""
+    """Our server for every (policy, token budget) pair; a budget of `slo` is sarathi with
+    the SLO under test as its --tbt-slo."""
     systems = []
     for policy, budget in itertools.product(policies, budgets):
+        check_slo_budget(policy, budget)
+        budget_args = ["--tbt-slo", TBT_SLO_FIELD] if budget == SLO_BUDGET \
+            else ["--token-budget", str(budget)]
         cmd = [sys.executable, "-m", "stallfree", "serve", *([model] if model else []),
-               "--host", "127.0.0.1", "--port", "{port}", "--policy", policy,
-               "--token-budget", str(budget), "--uvicorn-log-level", "warning"]
+               "--host", "127.0.0.1", "--port", "{port}", "--policy", policy, *budget_args,
+               "--uvicorn-log-level", "warning"]
         if max_model_len is not None and "--max-model-len" not in extra_args:
             cmd += ["--max-model-len", str(max_model_len)]
         systems.append(System(f"stallfree-{policy}-{budget}", command=cmd + list(extra_args),
@@ -56,7 +81,7 @@ def stallfree_systems(policies: list[str], budgets: list[int], extra_args: list[
 
 
 def build_systems(base_urls: list[str], server_cmds: list[str], labels: list[str],
-                  policies: list[str], budgets: list[int], server_args: str = "",
+                  policies: list[str], budgets: list[Budget], server_args: str = "",
                   max_model_len: int | None = None, model: str | None = None) -> list[System]:
     """Running servers, then server commands (labelled in that order), then our own server
     for every (policy, token budget) pair."""
@@ -78,7 +103,8 @@ def build_systems(base_urls: list[str], server_cmds: list[str], labels: list[str
 
 
 def command_system(command: str, label: str | None = None) -> System:
-    """A peer server from a shell-like command line holding `{port}`."""
+    """A peer server from a shell-like command line holding `{port}` (and `{tbt_slo}` to
+    start it once per SLO under test)."""
     argv = shlex.split(command)
     if not any("{port}" in a for a in argv):
         raise ValueError(f"--server-cmd must contain {{port}}: {command!r}")

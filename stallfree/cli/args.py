@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..bench.capacity import parse_budget
 from ..bench.workload import WorkloadConfig
 from ..config import EngineConfig, engine_setting_fields, parse_size, setting_fields
 from ..scheduler.cost_fit import OnlineCost
@@ -48,6 +49,7 @@ def _comma_list(name: str, kind: Callable[[str], Any], what: str) -> Callable[[s
 # Flag types of the commands: comma lists ("0.1,0.5", "sarathi,vllm") and sizes ("1GiB").
 floats = _comma_list("floats", float, "numbers")
 ints = _comma_list("ints", int, "integers")
+budgets = _comma_list("budgets", parse_budget, "integers (token budgets) or slo")
 words = _comma_list("words", str, "words")
 size = flag_type(parse_size)
 

@@ -19,6 +19,7 @@ from ..config import DEFAULT_TOKEN_BUDGET
 from .args import (
     add_setting_args,
     add_workload_args,
+    budgets,
     floats,
     ints,
     pick,
@@ -86,12 +87,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sys_.add_argument("--base-url", action="append", default=[],
                       help="a server already running (repeatable)")
     sys_.add_argument("--server-cmd", action="append", default=[],
-                      help="start this server command, with {port} (repeatable)")
+                      help="start this server command, with {port} (repeatable); one "
+                           "holding {tbt_slo} is started once per SLO, with that SLO")
     sys_.add_argument("--system-label", action="append", default=[],
                       help="labels for --base-url then --server-cmd, in order")
     sys_.add_argument("--policy", type=words, default=[],
                       help="start our server with each policy, e.g. sarathi,vllm,orca")
-    sys_.add_argument("--token-budget", type=ints, default=[DEFAULT_TOKEN_BUDGET])
+    sys_.add_argument("--token-budget", type=budgets, default=[DEFAULT_TOKEN_BUDGET],
+                      help="comma list; slo: sarathi with the SLO under test as its "
+                           "--tbt-slo (searched once per SLO)")
     sys_.add_argument("--server-model", default=None, help="model for our server (default one)")
     sys_.add_argument("--server-args", default="", help="extra flags for our server")
     add_setting_args(sys_, pick(CapacityConfig, "startup_timeout", "log_dir"))
