@@ -6,15 +6,21 @@ import json
 
 import pytest
 
-from stallfree.bench.capacity import Criterion, search_capacity
+from stallfree.bench.capacity import SLO_BUDGET, Criterion, search_capacity
 from stallfree.bench.config import BenchConfig, with_rate
 from stallfree.bench.records import RequestResult, RunResult
 from stallfree.bench.report import compute_report, report_header
 from stallfree.bench.workload import RequestSpec, WorkloadConfig
 from stallfree.cli import main
+from stallfree.cli.simulate import parse_system
 from stallfree.config import SchedulerConfig
 from stallfree.sim.cost_model import ConstantCostModel
-from stallfree.sim.run import Deployment, run_simulated_benchmark, sim_bench_config
+from stallfree.sim.run import (
+    Deployment,
+    run_simulated_benchmark,
+    scheduler_setups,
+    sim_bench_config,
+)
 
 SMALL = ["--dataset", "random", "--random-input-len", "600", "--random-output-len", "40",
          "--random-range-ratio", "0.5", "--num-prompts", "30"]
@@ -121,3 +127,46 @@ def test_compare_reports(tmp_path, capsys):
     assert "+10.0%" in capsys.readouterr().out
     assert main(["simulate", "compare", str(tmp_path / "real.json"),
                  str(tmp_path / "off.json")]) == 1
+
+
+def test_parse_system_takes_a_budget_of_slo():
+    assert parse_system("sarathi:slo") == ("sarathi", SLO_BUDGET, None)
+    assert parse_system("sarathi:slo:64") == ("sarathi", SLO_BUDGET, 64)
+    assert parse_system("vllm::16") == ("vllm", None, 16)
+    for bad in ("vllm:slo", "sarathi:fast", "sarathi:512:x"):
+        with pytest.raises(ValueError):
+            parse_system(bad)
+    by_system = scheduler_setups([("sarathi", SLO_BUDGET, None)], [], [], 128, None)
+    (crossed,) = scheduler_setups([], ["sarathi"], [SLO_BUDGET], 128, None)
+    assert by_system == [crossed] and crossed.label == "sim-sarathi-slo-s128"
+    assert crossed.targets_slo and crossed.scheduler.tbt_slo is None
+    assert crossed.at_slo(0.2).tbt_slo == 0.2 and crossed.at_slo(0.2).token_budget == 8192
+
+
+def test_an_slo_system_is_searched_once_per_slo_with_it_as_target(tmp_path):
+    out = tmp_path / "cap.json"
+    assert main(["simulate", "--model", "mistral-7b", "capacity", "--tbt-slo", "0.05,0.2",
+                 "--system", "sarathi:slo", "--system", "sarathi:256", "--start-rate", "2",
+                 "--precision", "0.2", "--max-trials", "12", "--result-file", str(out),
+                 "--dataset", "random", "--random-input-len", "2000",
+                 "--random-output-len", "20", "--num-prompts", "60"]) == 0
+    res = json.loads(out.read_text())
+    entries = [(s["label"], s["tbt_slo_target_s"], s["scheduler"]["tbt_slo"],
+                [r["criterion"]["tbt_slo_s"] for r in s["results"]]) for s in res["systems"]]
+    assert entries == [("sim-sarathi-slo-s128", 0.05, 0.05, [0.05]),
+                       ("sim-sarathi-slo-s128", 0.2, 0.2, [0.2]),
+                       ("sim-sarathi-b256-s128", None, None, [0.05, 0.2])]
+    caps = {(s["label"], s["tbt_slo_s"]): s["capacity_qps"] for s in res["summary"]}
+    assert len(caps) == 4 and all(c > 0 for c in caps.values())
+    for s in res["systems"][:2]:  # each trial ran the SLO scheduler under its own target
+        assert all(t["metrics"]["simulation"]["scheduler"]["tbt_slo"] == s["tbt_slo_target_s"]
+                   for t in s["results"][0]["trials"])
+
+
+def test_one_run_of_an_slo_system_targets_its_tbt_slo(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    run = ["simulate", "--system", "sarathi:slo", "--request-rate", "2", *SMALL]
+    assert main([*run, "--tbt-slo", "0.1", "--result-file", str(out)]) == 0
+    assert json.loads(out.read_text())["simulation"]["scheduler"]["tbt_slo"] == 0.1
+    assert main(run) == 2
+    assert "give --tbt-slo" in capsys.readouterr().err

@@ -4,7 +4,8 @@ simulated replica.
     stallfree simulate --model mistral-7b --gpu a100 --policy sarathi --token-budget 512 \\
         --dataset sharegpt --max-model-len 8192 --request-rate 2 --num-prompts 512
     stallfree simulate capacity --tbt-slo 0.1,0.5 --system sarathi:512 --system vllm:8192 \\
-        --system orca:8192:16 --num-prompts 2048 --max-model-len 8192 --result-file cap.json
+        --system orca:8192:16 --system sarathi:slo --num-prompts 2048 --max-model-len 8192 \\
+        --result-file cap.json
     stallfree simulate calibrate
     stallfree simulate compare measured.json simulated.json   # validation on this machine
     stallfree simulate --gpu cpu --profile-dir P --model smollm2-135m replay iterations.jsonl
@@ -19,17 +20,18 @@ import json
 import sys
 from typing import Any
 
+from ..bench.capacity import SLO_BUDGET, Budget, check_slo_budget, parse_budget
 from ..bench.config import BenchConfig, SLOs
 from ..bench.workload import WorkloadConfig
 from ..config import DEFAULT_TOKEN_BUDGET, POLICIES, SchedulerConfig, setting_fields
 from ..sim.calibrate import DEFAULT_TOLERANCE
-from ..sim.run import Deployment, scheduler_setups
+from ..sim.run import Deployment, Setup, scheduler_setups
 from .args import (
     add_setting_args,
     add_workload_args,
+    budgets,
     flag_type,
     floats,
-    ints,
     pick,
     settings_from_args,
     words,
@@ -38,17 +40,21 @@ from .args import (
 from .bench import add_report_args, add_search_args, search_config_from_args
 
 
-def parse_system(text: str) -> tuple[str, int | None, int | None]:
-    """POLICY[:BUDGET[:MAX_SEQS]] -> (policy, budget, max seqs); None where not given."""
+def parse_system(text: str) -> tuple[str, Budget | None, int | None]:
+    """POLICY[:BUDGET[:MAX_SEQS]] -> (policy, budget, max seqs); None where not given. A
+    BUDGET of `slo` (sarathi only) targets the TBT SLO under test."""
     parts = text.split(":")
     if not 1 <= len(parts) <= 3 or parts[0] not in POLICIES:
         raise ValueError(f"expected POLICY[:BUDGET[:MAX_SEQS]] with POLICY in "
                          f"{', '.join(POLICIES)}, got {text!r}")
+    budget, seqs = (parts[1:] + ["", ""])[:2]
     try:
-        nums = [int(p) if p else None for p in parts[1:]] + [None, None]
+        parsed = (parse_budget(budget) if budget else None, int(seqs) if seqs else None)
     except ValueError:
-        raise ValueError(f"budget and max seqs must be integers: {text!r}") from None
-    return parts[0], nums[0], nums[1]
+        raise ValueError(f"budget must be an integer or {SLO_BUDGET!r} and max seqs an "
+                         f"integer: {text!r}") from None
+    check_slo_budget(parts[0], parsed[0])
+    return parts[0], *parsed
 
 
 def _add_common(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -59,11 +65,13 @@ def _add_common(p: argparse.ArgumentParser, suppress: bool) -> None:
     s.add_argument("--policy", type=words, default=[SchedulerConfig.policy],
                    help="one (or, for capacity, a comma list crossed with --token-budget)")
     s.add_argument("--token-budget", "--max-num-batched-tokens", dest="token_budget",
-                   type=ints, default=[DEFAULT_TOKEN_BUDGET])
+                   type=budgets, default=[DEFAULT_TOKEN_BUDGET],
+                   help="comma list; slo: sarathi with the TBT SLO under test as its target")
     s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     s.add_argument("--system", action="append", type=flag_type(parse_system), default=[],
                    metavar="POLICY[:BUDGET[:MAX_SEQS]]",
-                   help="a scheduler setup (repeatable); replaces --policy/--token-budget")
+                   help="a scheduler setup (repeatable); replaces --policy/--token-budget; "
+                        "sarathi:slo targets the TBT SLO under test")
     r = p.add_argument_group("report")
     add_report_args(r)
     add_setting_args(r, pick(BenchConfig, "label"))
@@ -82,7 +90,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_common(sim, suppress=False)
     add_setting_args(sim, pick(WorkloadConfig, "request_rate"))
     sim.add_argument("--tbt-slo", type=floats, default=None, metavar="SECONDS",
-                     help="also count the TBT gaps over this")
+                     help="also count the TBT gaps over this (and the target of a "
+                          "budget of slo)")
     add_setting_args(sim, pick(BenchConfig, "detail"))
     sub = sim.add_subparsers(dest="simulate_command")
     cap = sub.add_parser("capacity", help="the bench capacity search on the simulator")
@@ -104,7 +113,7 @@ def _deployment(args: argparse.Namespace) -> Deployment:
     return Deployment(**settings_from_args(Deployment, args))
 
 
-def _setups(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]]:
+def _setups(args: argparse.Namespace) -> list[Setup]:
     return scheduler_setups(args.system, args.policy, args.token_budget, args.max_num_seqs,
                             args.max_model_len)
 
@@ -116,9 +125,9 @@ def _run(args: argparse.Namespace) -> int:
     setups = _setups(args)
     if len(setups) != 1:
         raise ValueError("simulate runs one scheduler setup; use `simulate capacity` for several")
-    label, sched = setups[0]
-    dep = _deployment(args)
     slo = args.tbt_slo[0] if args.tbt_slo else None
+    label, sched = setups[0].label, setups[0].at_slo(slo)
+    dep = _deployment(args)
     cfg = sim_bench_config(workload_config_from_args(args, args.request_rate), dep,
                            args.label or label, SLOs.parse(args.goodput),
                            None if slo is None else slo * 1e3, tuple(args.metric_percentiles),

@@ -14,10 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bench.capacity import SLO_BUDGET, Budget, check_slo_budget
 from ..bench.config import PERCENTILES, BenchConfig, ClientConfig, SLOs
 from ..bench.report import compute_report, report_header
 from ..bench.workload import WorkloadConfig, build_workload
-from ..config import DEFAULT_CPU_KV_BYTES, CacheConfig, SchedulerConfig, option, parse_size
+from ..config import (
+    DEFAULT_CPU_KV_BYTES,
+    SLO_TOKEN_BUDGET_CAP,
+    CacheConfig,
+    SchedulerConfig,
+    option,
+    parse_size,
+)
 from .cost_model import CostModel, ProfiledCostModel
 from .hardware import GPUS, MODELS, get_gpu, get_model, kv_cache_blocks
 from .profile_store import PROFILE_ROOT
@@ -132,17 +140,40 @@ def default_max_model_len(value: int | None) -> int:
     return 8192 if value is None else value
 
 
-def scheduler_setups(systems: list[tuple[str, int | None, int | None]], policies: list[str],
-                     budgets: list[int], max_num_seqs: int,
-                     max_model_len: int | None) -> list[tuple[str, SchedulerConfig]]:
-    """(label, config) of each (policy, budget, max seqs) system, or else of each policy x
-    budget; a budget or max seqs not given is the policy's default."""
+@dataclass
+class Setup:
+    """A scheduler under test. With `targets_slo` (a token budget of `slo`) its tbt_slo is
+    the TBT SLO under test, set by `at_slo`: a capacity search runs once per SLO."""
+
+    label: str
+    scheduler: SchedulerConfig
+    targets_slo: bool = False
+
+    def at_slo(self, slo: float | None) -> SchedulerConfig:
+        """The scheduler config of a run under the TBT SLO `slo` (None: none given)."""
+        if not self.targets_slo:
+            return self.scheduler
+        if slo is None:
+            raise ValueError(f"{self.label} targets the TBT SLO under test: give --tbt-slo")
+        return dataclasses.replace(self.scheduler, tbt_slo=slo)
+
+
+def scheduler_setups(systems: list[tuple[str, Budget | None, int | None]], policies: list[str],
+                     budgets: list[Budget], max_num_seqs: int,
+                     max_model_len: int | None) -> list[Setup]:
+    """The setup of each (policy, budget, max seqs) system, or else of each policy x budget;
+    a budget or max seqs not given is the policy's default. A budget of `slo` is sarathi
+    with the SLO under test as its target, capped at SLO_TOKEN_BUDGET_CAP tokens."""
     max_len = default_max_model_len(max_model_len)
     specs = systems or [(p, b, None) for p, b in itertools.product(policies, budgets)]
     out = []
     for policy, budget, seqs in specs:
         # vLLM and Orca run whole prefills: their budget defaults to max_model_len (vLLM's rule).
         budget = budget or (budgets[0] if policy in ("sarathi", "chunked_only") else max_len)
-        cfg = SchedulerConfig(policy, budget, seqs or max_num_seqs, max_len)
-        out.append((f"sim-{cfg.policy}-b{cfg.token_budget}-s{cfg.max_num_seqs}", cfg))
+        check_slo_budget(policy, budget)
+        tokens = SLO_TOKEN_BUDGET_CAP if budget == SLO_BUDGET else int(budget)
+        cfg = SchedulerConfig(policy, tokens, seqs or max_num_seqs, max_len)
+        size = SLO_BUDGET if budget == SLO_BUDGET else f"b{cfg.token_budget}"
+        out.append(Setup(f"sim-{cfg.policy}-{size}-s{cfg.max_num_seqs}", cfg,
+                         budget == SLO_BUDGET))
     return out
