@@ -14,15 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
-from stallfree.model.paged_decode import (
-    AUTO_SPLIT,
-    KernelLoader,
-    kernel_enabled,
-    library_path,
-    paged_decode,
-    unavailable_reason,
-    usable,
-)
+from stallfree.model.kernels import KernelLibrary, library_path, unavailable_reason
+from stallfree.model.paged_decode import AUTO_SPLIT, kernel_enabled, paged_decode, usable
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernel not built: {REASON}")
@@ -214,14 +207,14 @@ def test_bad_tables_raise_instead_of_reading_outside_the_cache():
 def test_without_a_built_library_the_torch_path_runs_and_says_why(tmp_path, monkeypatch,
                                                                  caplog):
     monkeypatch.setenv("STALLFREE_BUILD_DIR", str(tmp_path))
-    loader = KernelLoader()
+    loader = KernelLibrary()
     with caplog.at_level("WARNING", logger="stallfree.model"):
         assert not loader.load()
     assert "make kernels" in loader.reason and str(tmp_path) in loader.reason
     assert "torch path" in caplog.text
     library_path().parent.mkdir(parents=True)
     library_path().with_suffix(".error").write_text("no C++ compiler (c++) on PATH\n")
-    failed = KernelLoader()
+    failed = KernelLibrary()
     assert not failed.load() and "no C++ compiler" in failed.reason
 
 

@@ -1,4 +1,4 @@
-"""Builds the CPU decode-attention kernel where paged_decode.py looks for it.
+"""Builds the CPU kernels (csrc/*.cpp) where kernels.py looks for them.
 
 Run: python -m stallfree.model.kernel_build   (the Makefile's `kernels` step)
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .paged_decode import CFLAGS, SOURCE, library_path
+from .kernels import CFLAGS, LIBRARY_NAME, SOURCES, build_dir, library_path
 
 
 def build() -> tuple[Path | None, str]:
@@ -26,8 +26,9 @@ def build() -> tuple[Path | None, str]:
     target = library_path()
     if target.exists():
         return target, f"up to date: {target}"
-    for stale in target.parent.parent.glob("paged_decode_*"):  # older sources or CPUs
-        shutil.rmtree(stale, ignore_errors=True)
+    for pattern in (f"{LIBRARY_NAME}_*", "paged_decode_*"):  # older sources, CPUs or names
+        for stale in build_dir().glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     failure = target.with_suffix(".error")
     compiler = os.environ.get("CXX", "c++")
@@ -40,7 +41,7 @@ def build() -> tuple[Path | None, str]:
         from setuptools import setup
         from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-        ext = CppExtension("paged_decode", [str(SOURCE)], extra_compile_args=list(CFLAGS),
+        ext = CppExtension(LIBRARY_NAME, [str(s) for s in SOURCES], extra_compile_args=list(CFLAGS),
                            extra_link_args=["-fopenmp"])
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
                 contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -54,7 +55,7 @@ def build() -> tuple[Path | None, str]:
                                    "--build-temp", os.path.join(tmp, "obj")])
             finally:
                 os.chdir(cwd)
-            built = next(Path(tmp).glob("paged_decode*.so"))
+            built = next(Path(tmp).glob(f"{LIBRARY_NAME}*.so"))
             os.replace(built, target)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure leaves the torch path
         failure.write_text(f"{type(e).__name__}: {e}\n{log.getvalue()[-4000:]}")
@@ -65,7 +66,7 @@ def build() -> tuple[Path | None, str]:
 
 def main() -> int:
     library, message = build()
-    print(f"paged decode kernel: {message}", file=sys.stdout if library else sys.stderr)
+    print(f"CPU kernels: {message}", file=sys.stdout if library else sys.stderr)
     return 0
 
 

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .linear import Linear, linear
 from .parallel import Shard, VocabParallelEmbedding
 
 
@@ -28,9 +28,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # q, k, v fused into one matmul: rows are [q | k | v].
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied models read the embedding matrix in compute_logits instead of holding
         # a second Parameter: sharing survives every device/dtype move that way.
         lo, hi = shard.tp_range(config.vocab_size)
-        self.lm_head = (nn.Linear(config.hidden_size, hi - lo, bias=False)
+        self.lm_head = (Linear(config.hidden_size, hi - lo, bias=False)
                         if shard.is_last_stage and not config.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.shard.gather_vocab(F.linear(hidden, weight).float(), self.config.vocab_size)
+        return self.shard.gather_vocab(linear(hidden, weight).float(), self.config.vocab_size)
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""

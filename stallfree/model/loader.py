@@ -73,7 +73,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(config, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
-    if device.type == "cpu":
+    if device.type == "cpu" and dtype != torch.bfloat16:
         _column_major_matmul_weights(model)
     return model.eval().requires_grad_(False)
 
@@ -84,7 +84,9 @@ def _column_major_matmul_weights(model: LlamaForCausalLM) -> None:
     Shapes stay [out, in] (checkpoints load unchanged), only strides flip. On CPU the
     BLAS matrix-vector path for x @ W.T is about twice as fast when W.T is contiguous,
     and batch-1 decode is nothing but matrix-vector products. The tied embedding is the
-    logits matrix too; row lookups from it stay cheap.
+    logits matrix too; row lookups from it stay cheap. bfloat16 keeps rows: its few-token
+    matmuls run in the kernel of linear.py, which streams row-major weights (and torch's
+    own bf16 path is no faster column-major).
     """
     mats = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if model.lm_head is None and model.model.embed_tokens is not None:

@@ -1,0 +1,115 @@
+"""The CPU kernels (csrc/*.cpp, one library): where their build lives, loading it, and a
+switch per kernel.
+
+`make` builds the library into `.build/` at the repository root (`python -m
+stallfree.model.kernel_build`; STALLFREE_BUILD_DIR moves it). Its name carries a hash of
+the sources, the compile flags, torch's version and this CPU's flags, since it is compiled
+for this CPU (-march=native): a library built elsewhere or from older sources is never
+loaded. Without it (no compiler, a failed build) every kernel's caller takes its torch path,
+which stays the reference; the first time, one log line says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("stallfree.model")
+
+SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
+# -O3 and the host's vector width: the kernels are plain loops and GCC vector types.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-g0")
+LIBRARY_NAME = "kernels"
+
+
+def build_dir() -> Path:
+    default = Path(__file__).resolve().parents[2] / ".build"
+    return Path(os.environ.get("STALLFREE_BUILD_DIR", default))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_tag() -> str:
+    """What the library was compiled from and for; part of its file name."""
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    for part in (" ".join(CFLAGS), torch.__version__, platform.machine(), _cpu_flags()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    return build_dir() / f"{LIBRARY_NAME}_{build_tag()}" / f"{LIBRARY_NAME}.so"
+
+
+class KernelLibrary:
+    """Loads the library once; `reason` says why it is not in use (None: it is)."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.reason: str | None = "not loaded yet"
+        self._tried = False
+
+    def load(self) -> bool:
+        if not self._tried:
+            self._tried = True
+            path = library_path()
+            failure = path.with_suffix(".error")
+            if path.exists():
+                try:
+                    torch.ops.load_library(str(path))
+                    self.loaded, self.reason = True, None
+                    logger.info("CPU kernels loaded from %s", path)
+                except (OSError, RuntimeError) as e:
+                    self.reason = f"{path} did not load: {e}"
+            elif failure.exists():
+                self.reason = f"its build failed: {failure.read_text().strip()[-300:]}"
+            else:
+                self.reason = (f"not built for these sources and CPU ({path} is missing; "
+                               f"`make kernels` builds it)")
+            if self.reason:
+                logger.warning("CPU kernels not in use: %s; decode attention gathers KV "
+                               "blocks and matmuls run in torch (torch paths)", self.reason)
+        return self.loaded
+
+
+LIBRARY = KernelLibrary()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here (None: they are loaded)."""
+    LIBRARY.load()
+    return LIBRARY.reason
+
+
+class KernelSwitch:
+    """Whether one kernel is used where it could be: on unless its environment variable is
+    "0"; `within(False)` runs the reference path inside a block (comparisons, benchmarks)."""
+
+    def __init__(self, env_var: str) -> None:
+        self.env_var = env_var
+        self.enabled = os.environ.get(env_var, "1") != "0"
+
+    def usable(self) -> bool:
+        return self.enabled and LIBRARY.load()
+
+    @contextmanager
+    def within(self, enabled: bool) -> Iterator[None]:
+        previous, self.enabled = self.enabled, enabled
+        try:
+            yield
+        finally:
+            self.enabled = previous
