@@ -8,7 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import KernelSwitch
 from .linear import Linear
+
+# The CPU kernels of csrc/fused_ops.cpp: one pass for what the torch path below does in
+# 8-10 small ops (whose dispatch, not arithmetic, is a decode step's cost there).
+# STALLFREE_FUSED_OPS=0 keeps the torch path, the reference.
+FUSED = KernelSwitch("STALLFREE_FUSED_OPS")
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16) and FUSED.usable())
 
 
 class RMSNorm(nn.Module):
@@ -18,12 +29,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return torch.ops.stallfree.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 like the reference, so bf16 runs do not lose precision in
-        # the variance; the weight multiply happens in the input dtype. The fused op
-        # keeps per-layer kernel launches (which dominate small-batch CPU time) down.
+        # the variance; the weight multiply happens in the input dtype.
         dtype = x.dtype
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(dtype)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to the dtype as a plain add
+        is; `residual` may be overwritten with the sum."""
+        if _fused(x) and residual.is_contiguous():
+            return torch.ops.stallfree.add_rms_norm(x, residual, self.weight, self.eps), residual
+        total = x + residual
+        return self(total), total
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -116,5 +137,11 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+        if _fused(gate_up):
+            return torch.ops.stallfree.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up

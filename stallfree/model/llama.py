@@ -57,10 +57,19 @@ class LlamaDecoderLayer(nn.Module):
         lo, hi = shard.tp_range(config.intermediate_size)
         self.mlp = SwiGLUMLP(config.hidden_size, hi - lo)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.shard.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds
+        the two in the same pass, and the stream's values are the plain
+        x + attn(norm(x)) + mlp(norm(...)) of the reference."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.shard.all_reduce(self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,9 +112,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         # One RoPE lookup per forward, shared by all layers.
         cos, sin = self.model.rotary.lookup(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn_metadata, kv_cache[i])
-        return x if self.model.norm is None else self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn_metadata, kv_cache[i])
+        if residual is None:  # a stage without layers
+            return x if self.model.norm is None else self.model.norm(x)
+        if self.model.norm is None:  # the next stage gets the whole stream
+            return x + residual
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
