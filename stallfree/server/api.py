@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from ..iteration_log import IterationLog
 from .async_engine import AsyncEngine
 from .config import RequestLimits
+from .engine_thread import EngineThread
 from .errors import APIKeyMiddleware, document_400_not_422, install_error_handlers
 from .limits import BodyLimitMiddleware
 from .routes import ROUTERS
@@ -36,20 +37,24 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
               iteration_log: IterationLog | None = None,
               limits: RequestLimits | None = None, public_metrics: bool = False,
               tokenizer_threads: int = 2,
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[], None] | None = None,
+              engine_thread: EngineThread | None = None) -> FastAPI:
     """The API app around an `LLMEngine` (wrapped in an `AsyncEngine`) or an `AsyncEngine`.
 
-    `max_waiting_requests` (sequences), `iteration_log` and `on_fatal` (run if the engine
-    dies) go to the AsyncEngine made here; `limits` bound each request (default:
+    `max_waiting_requests` (sequences), `iteration_log`, `on_fatal` (run if the engine
+    dies) and `engine_thread` (the thread that built the engine) go to the AsyncEngine
+    made here; `limits` bound each request (default:
     `RequestLimits()`)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    if isinstance(engine, AsyncEngine) and (iteration_log is not None or on_fatal is not None):
-        raise ValueError("pass iteration_log and on_fatal to the AsyncEngine itself")
+    if isinstance(engine, AsyncEngine) and (iteration_log is not None or on_fatal is not None
+                                            or engine_thread is not None):
+        raise ValueError("pass iteration_log, on_fatal and engine_thread to the AsyncEngine "
+                         "itself")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(
         engine, names[0], max_waiting_requests=max_waiting_requests, iteration_log=iteration_log,
-        on_fatal=on_fatal)
+        on_fatal=on_fatal, thread=engine_thread)
 
     app = FastAPI(title="stallfree", description="OpenAI-compatible LLM server "
                   "(chunked prefills, stall-free batching)", lifespan=_lifespan)

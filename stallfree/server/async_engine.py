@@ -29,12 +29,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..executor.base import WorkerError
 from ..iteration_log import IterationLog
 from ..sampling_params import SamplingParams
+from .engine_thread import EngineThread
 from .prometheus import ServerMetrics
 
 if TYPE_CHECKING:
@@ -101,7 +103,10 @@ class AsyncEngine:
                  max_waiting_requests: int | None = None,
                  metrics: ServerMetrics | None = None,
                  iteration_log: IterationLog | None = None,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None] | None = None,
+                 thread: EngineThread | None = None) -> None:
+        """`thread`: the thread that built `engine`, so that its steps run where its
+        tensors were made (engine_thread.py says why); default, a new one."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
         self.engine = engine
@@ -119,8 +124,7 @@ class AsyncEngine:
         self._restarts = 0  # worker restarts in a row
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
-        self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
-        self._thread.start()
+        self._loop = (thread or EngineThread()).submit(self._run)
 
     # ---- event-loop side ------------------------------------------------------
     @property
@@ -186,7 +190,7 @@ class AsyncEngine:
             if self._dead is None and not self._stopping:
                 self._stopping = True
                 self._commands.put(("stop",))
-        self._thread.join(timeout)
+        futures.wait([self._loop], timeout)
 
     # ---- engine thread --------------------------------------------------------
     def _run(self) -> None:

@@ -20,13 +20,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     from ..engine import LLMEngine
     from ..iteration_log import IterationLog
     from .api import build_app
+    from .engine_thread import EngineThread
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = None
+    # The engine is built on the thread that will step it: all tensor work on one thread.
+    engine_thread = EngineThread()
     try:
         # Opened before the model loads, so a bad path fails fast.
         log = IterationLog(server_config.iteration_log) if server_config.iteration_log else None
-        engine = LLMEngine(engine_config, cost_seed)
+        engine = engine_thread.run(LLMEngine, engine_config, cost_seed)
     except (ValueError, OSError) as err:
         if log is not None:
             log.close()
@@ -59,7 +62,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
                         limits=server_config.limits(),
                         public_metrics=server_config.public_metrics,
                         tokenizer_threads=server_config.tokenizer_threads,
-                        on_fatal=stop_serving)
+                        on_fatal=stop_serving, engine_thread=engine_thread)
         host, port = server_config.host, server_config.port
         config = uvicorn.Config(app, host=host, port=port,
                                 log_level=server_config.uvicorn_log_level,
