@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_helpers import make_request
+from stallfree.attention_plan import split_chunks
 from stallfree.config import (
     DEFAULT_TOKEN_BUDGET,
     SLO_TOKEN_BUDGET_CAP,
@@ -80,6 +81,18 @@ def test_online_fit_converges_to_the_true_coefficients(seed_scale):
         f = random_features(rng)
         cost.observe(f, executor.time(f))
     assert_close(cost.coefficients)
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 300)), max_size=20))
+def test_features_split_chunks_as_the_kernel_runs_them(chunks):
+    # One rule for what runs as a decode (attention_plan), so the cost model's decodes
+    # are exactly the kernel's, a prompt's one-token chunk included.
+    features = BatchFeatures.of_chunks(chunks)
+    prefills, decode_contexts = split_chunks(chunks)
+    assert features.decodes == len(decode_contexts)
+    assert features.decode_context == sum(decode_contexts)
+    assert features.prefill_tokens == sum(n for n, _ in prefills)
 
 
 def test_online_fit_follows_drift():

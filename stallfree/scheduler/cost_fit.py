@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..attention_plan import attends_as_decode
+
 FEATURES = ("fixed", "prefill_token", "prefill_attention", "decode", "decode_context")
 # Typical size of each feature: RLS and the least-squares seed work on features divided
 # by these, so that no coefficient is 1e6 times another (which conditions P badly).
@@ -42,7 +44,7 @@ class BatchFeatures:
 
     def add_chunk(self, start: int, num_tokens: int) -> None:
         """A chunk of `num_tokens` new tokens at position `start` (tokens cached before)."""
-        if num_tokens == 1:  # the kernel's decode, whatever the scheduler calls it
+        if attends_as_decode(num_tokens):  # the kernel's decode, whatever the scheduler calls it
             self.decodes += 1
             self.decode_context += start + 1
         else:
