@@ -44,10 +44,11 @@ SIDEWAYS = {
 }
 
 # Never reached from the unit, not even through what it imports: the simulator
-# runs no tensors, so it loads neither torch nor anything that runs the model.
+# runs no tensors, so it loads neither torch nor anything that runs the model; and it
+# sends no requests, so the bench code it shares must not drag in the HTTP client.
 FORBIDDEN = {
     "sim": ("torch", "stallfree.model", "stallfree.executor", "stallfree.distributed",
-            "stallfree.engine", "stallfree.llm"),
+            "stallfree.engine", "stallfree.llm", "httpx", "stallfree.bench.client"),
 }
 
 
