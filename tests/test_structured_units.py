@@ -2,7 +2,9 @@
 the scheduler's readiness rule, the sampler's mask and the matchers (no model)."""
 from __future__ import annotations
 
+import copy
 import json
+import threading
 
 import pytest
 import torch
@@ -115,6 +117,38 @@ def test_equal_constraints_share_one_compile_and_bad_ones_fail_at_once(service):
 
 
 # ---- the scheduler skips what is not ready -------------------------------------------
+class ThreadNotingTokenizer:
+    """Delegates to a tokenizer and notes every thread that reads it; a deep copy is a
+    plain copy of the tokenizer, no longer watched."""
+
+    def __init__(self, tokenizer) -> None:
+        self.__dict__.update(_tokenizer=tokenizer, threads=set())
+
+    def __getattr__(self, name: str):
+        self.threads.add(threading.current_thread().name)
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        self.threads.add(threading.current_thread().name)
+        return len(self._tokenizer)
+
+    def __deepcopy__(self, memo: dict):
+        self.threads.add(threading.current_thread().name)
+        return copy.deepcopy(self._tokenizer, memo)
+
+
+def test_the_compile_thread_never_reads_the_callers_tokenizer(tokenizer):
+    # The engine thread detokenizes with its tokenizer while grammars compile: the
+    # service must read only its own copy, or the two threads share one HF tokenizer.
+    watched = ThreadNotingTokenizer(tokenizer)
+    svc = GrammarCompileService(watched, len(tokenizer), frozenset({2}))
+    try:
+        svc.submit(StructuredOutputs(regex="(yes|no)!")).result(timeout=120)
+    finally:
+        svc.shutdown()
+    assert watched.threads == {threading.current_thread().name}
+
+
 def test_an_unready_request_is_skipped_and_joins_once_ready():
     sched = new_scheduler("sarathi", budget=16)
     held = make_request("held", 4)

@@ -1,6 +1,7 @@
 """Grammar compilation off the engine thread, cached by the constraint's text."""
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,12 +24,16 @@ class GrammarCompileService:
     caller, before anything is queued) and returns a future of the compiled grammar.
     The tokenizer-dependent compile (milliseconds to seconds) runs on the service's
     thread, never on the caller's; xgrammar releases the GIL while it works. Equal
-    constraints share one compile, finished or in progress. Thread-safe.
+    constraints share one compile, finished or in progress. Thread-safe; the tokenizer
+    passed in is never read again after construction.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
                  threads: int = 2) -> None:
-        self.tokenizer = tokenizer
+        # A private copy, made here on the constructing thread: the compile thread reads
+        # the vocabulary while the caller's thread (the engine's) may be detokenizing, and
+        # an HF tokenizer used by two threads at once can fail ("Already borrowed").
+        self.tokenizer = copy.deepcopy(tokenizer)
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.threads = threads  # xgrammar's own threads within one compile
