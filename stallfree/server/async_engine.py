@@ -129,20 +129,31 @@ class AsyncEngine:
     # ---- event-loop side ------------------------------------------------------
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None
+        return self._death() is not None
 
     @property
     def crashed(self) -> bool:
         """Dead by a failure (not by shutdown): the process should exit non-zero."""
-        return self._dead is not None and not self._stopping
+        return self.is_dead and not self._stopping
 
     @property
     def dead_reason(self) -> str | None:
-        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+        death = self._death()
+        return None if death is None else f"{type(death).__name__}: {death}"
+
+    def _death(self) -> BaseException | None:
+        """Why the engine loop is over; None while it runs. A loop that ended without
+        recording why (it never ran, or failed outside its own handler) is dead all the
+        same: else /health would answer 200 and requests queue for nobody."""
+        if self._dead is not None or not self._loop.done():
+            return self._dead
+        if self._loop.cancelled():
+            return EngineDeadError("the engine loop was cancelled")
+        return self._loop.exception() or EngineDeadError("the engine loop ended")
 
     def _put(self, command: tuple) -> None:
         with self._lock:
-            if self._dead is not None:
+            if self.is_dead:
                 raise EngineDeadError(f"the engine has stopped ({self.dead_reason})")
             self._commands.put(command)
 

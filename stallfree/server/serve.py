@@ -48,7 +48,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 log.close_quietly()
                 log = None
         names = server_config.served_names(engine_config.model)
-        server: list[uvicorn.Server] = []  # set below; the engine may die only once it runs
+        server: list[uvicorn.Server] = []  # filled below, once the app exists
 
         def stop_serving() -> None:
             """The engine died for good: stop, so that the process exits non-zero and its
@@ -67,10 +67,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
         config = uvicorn.Config(app, host=host, port=port,
                                 log_level=server_config.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
-        print(f"stallfree: serving {names[0]!r} on http://{host}:{port}", flush=True)
         server.append(uvicorn.Server(config))
-        server[0].run()
         async_engine = app.state.stallfree.engine
+        # The engine runs from build_app on: one that died before `server` was filled
+        # found stop_serving a no-op, so look now. From here on stop_serving reaches the
+        # server, and uvicorn honours a should_exit set before it runs.
+        if not async_engine.is_dead:
+            print(f"stallfree: serving {names[0]!r} on http://{host}:{port}", flush=True)
+            server[0].run()
         if async_engine.crashed:
             print(f"stallfree: error: {async_engine.dead_reason}", file=sys.stderr)
             return 1
