@@ -2,7 +2,8 @@
 
 A message forged into the store from outside (no secret, another secret, a real
 message moved to another key, a pickle that would run code) is rejected before
-anything of it is decoded, and a worker that meets one stops without executing it.
+anything of it is decoded, and a worker that meets one stops without executing it;
+a forged stop is ignored, since only the engine's signed one stops a worker.
 """
 from __future__ import annotations
 
@@ -11,12 +12,20 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
 
-from stallfree.distributed.channel import SECRET_ENV, Channel, ForgedMessage, new_secret
+from stallfree.distributed.channel import (
+    CHECK_EVERY_S,
+    SECRET_ENV,
+    Channel,
+    ForgedMessage,
+    new_secret,
+)
 from stallfree.distributed.messages import (
+    STOP_KEY,
     KvMessage,
     Message,
     RunMessage,
@@ -79,16 +88,22 @@ def test_signed_messages_round_trip_and_forged_ones_are_rejected(store, tmp_path
     assert not marker.exists()
 
 
+def _start_worker(store, engine: Channel, secret: bytes, model: str,
+                  **env: str) -> subprocess.Popen:
+    """A real rank 0 of 1 on `store`, its stderr piped; the engine's config is posted."""
+    engine.put("config", WorkerConfig(model, "float32", "cpu", 1, 1, 0, 1))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", GLOO_SOCKET_IFNAME="lo",
+               **{SECRET_ENV: secret.hex()}, **env)
+    return subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def test_a_worker_stops_at_a_forged_message_and_runs_nothing(store, tiny_model, tmp_path):
     marker = tmp_path / "exploited"
     secret = new_secret()
     engine = Channel(store, secret)
-    engine.put("config", WorkerConfig(tiny_model, "float32", "cpu", 1, 1, 0, 1))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0", GLOO_SOCKET_IFNAME="lo",
-               **{SECRET_ENV: secret.hex(), MARKER_ENV: str(marker)})
-    worker = subprocess.Popen([sys.executable, "-m", "stallfree", "worker"], env=env,
-                              stderr=subprocess.PIPE, text=True)
+    worker = _start_worker(store, engine, secret, tiny_model, **{MARKER_ENV: str(marker)})
     try:
         assert engine.get("ready/0", WorkerInfo).rank == 0  # loaded, waiting for msg/0
         _outsider(store).set("msg/0", pickle.dumps(_Exploit()))
@@ -99,6 +114,28 @@ def test_a_worker_stops_at_a_forged_message_and_runs_nothing(store, tiny_model, 
     error = engine.read("error", str)
     assert "ForgedMessage" in error and "msg/0" in error, error
     assert not marker.exists()
+
+
+def test_only_the_engines_signed_stop_stops_a_worker(store, tiny_model):
+    secret = new_secret()
+    engine = Channel(store, secret)
+    worker = _start_worker(store, engine, secret, tiny_model)
+    try:
+        assert engine.get("ready/0", WorkerInfo).rank == 0  # loaded, waiting for msg/0
+        _outsider(store).set(STOP_KEY, b"1")  # one bare set, from anyone on the port
+        # Idle ranks look for a stop every CHECK_EVERY_S: give this one a few looks.
+        time.sleep(4 * CHECK_EVERY_S)
+
+        def alive() -> None:
+            assert worker.poll() is None, "a forged stop stopped the worker"
+        engine.put("msg/0", KvMessage(4, 16))
+        assert engine.get("ack/0/0", bool, alive)  # it still serves
+        engine.put(STOP_KEY, True)  # the engine's own, signed: overwrites the forged one
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert "ignored a stop not from the engine" in worker.stderr.read()
 
 
 def test_a_worker_without_the_secret_refuses_to_start(store):

@@ -28,6 +28,7 @@ from ..executor.hardware import available_cores
 from ..scheduler.output import SchedulerOutput
 from .channel import SECRET_ENV, Channel, new_secret, secret_from_env
 from .messages import (
+    STOP_KEY,
     KvMessage,
     RunResult,
     WorkerConfig,
@@ -114,7 +115,7 @@ class DistributedExecutor:
         self.channel.put("config", worker_config)
         self.procs = [self._launch(rank, addr, port, local, all_local) for rank in range(local)]
         # Stops the workers when the engine is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, _stop_workers, self.store, self.procs)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.channel, self.procs)
         self._next = 0  # index of the next message
         self._in_flight: deque[int] = deque()
         self._heartbeats: dict[int, tuple[int, float]] = {}  # rank -> (last count, seen at)
@@ -212,12 +213,12 @@ class DistributedExecutor:
 
     def shutdown(self, grace: float = 10.0) -> None:
         if self._finalizer.detach() is not None:
-            _stop_workers(self.store, self.procs, grace)
+            _stop_workers(self.channel, self.procs, grace)
 
 
-def _stop_workers(store: dist.Store, procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def _stop_workers(channel: Channel, procs: list[subprocess.Popen], grace: float = 10.0) -> None:
     try:
-        store.set("stop", b"1")
+        channel.put(STOP_KEY, True)
     except Exception:  # noqa: BLE001 - the store may be broken; the workers still go
         pass
     deadline = time.monotonic() + grace

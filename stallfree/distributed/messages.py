@@ -19,6 +19,10 @@ from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..scheduler.output import SchedulerOutput
 
+# The engine's signed True under this key asks every rank to stop. Signed like every
+# message: anyone who reaches the store can set a key, and a bare one must stop nothing.
+STOP_KEY = "stop"
+
 
 class WorkerConfig(msgspec.Struct, frozen=True):
     """What the engine publishes for every rank under the key "config"."""

@@ -18,8 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .channel import Channel, secret_from_env
+from .channel import Channel, ForgedMessage, secret_from_env
 from .messages import (
+    STOP_KEY,
     KvMessage,
     Message,
     RunMessage,
@@ -118,11 +119,24 @@ def _serve(channel: Channel, rank: int, world: int, local_rank: int) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     channel.put(f"ready/{rank}", WorkerInfo(rank, os.getpid(), os.uname().nodename,
                                             weight_bytes, free))
-    parent = os.getppid()
+    parent, forged_stop = os.getppid(), False
 
     def check() -> None:
-        if channel.has("stop") or os.getppid() != parent:
+        nonlocal forged_stop
+        if os.getppid() != parent:
             raise SystemExit(0)
+        if not channel.has(STOP_KEY):
+            return
+        try:
+            if channel.read(STOP_KEY, bool):
+                raise SystemExit(0)
+        except ForgedMessage as exc:
+            # Not the engine's: ignore it (the engine's own stop overwrites it), unlike a
+            # forged batch, which this rank cannot run past.
+            if not forged_stop:
+                forged_stop = True
+                print(f"stallfree worker rank {rank}: ignored a stop not from the engine "
+                      f"({exc})", file=sys.stderr, flush=True)
 
     try:
         _loop(channel, rank, shard, model, model_config, dtype, device, cfg.seed, pipe, check)
