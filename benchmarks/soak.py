@@ -7,13 +7,14 @@ Run (loopback, bounded in count and time):
 
 Clients ask for completions and chats, streamed and not, n up to 4, sometimes
 several prompts; 20% of them hang up at a random point (a random abort), 10% send
-one of the bad requests below. It checks, per policy: no 5xx (nor any status a
+one of the bad requests below. It checks, per policy: a status for every request
+but those the client gave up on before any answer, no 5xx (nor any status a
 request of its kind should not get), every accepted request that stayed finished
-with the right token count, every KV block free at the end (/metrics), resident
-memory growth after warm-up (--warmup-fraction of the requests) within
---rss-growth-mib, and the engine alive
-(/health). Exits 1 on any failure; --json writes the report. docs/reliability.md
-holds the results.
+with the right token count, the server's success and abort counters consistent
+with what the clients saw (`reconcile`), every KV block free at the end
+(/metrics), resident memory growth after warm-up (--warmup-fraction of the
+requests) within --rss-growth-mib, and the engine alive (/health). Exits 1 on
+any failure; --json writes the report. docs/reliability.md holds the results.
 """
 from __future__ import annotations
 
@@ -77,11 +78,20 @@ class Tally:
     policy: str
     requests: int = 0
     completed: int = 0  # accepted, kept and finished with the right token count
-    disconnected: int = 0  # the client hung up on purpose
+    disconnected: int = 0  # the client chose to hang up (it may have had its answer first)
+    timed_out: int = 0  # of those, plain requests given up on before any answer: no status
     bad_refused: int = 0  # bad requests answered with the right 4xx
     tokens: int = 0
     statuses: Counter = field(default_factory=Counter)
     bad_kinds: set = field(default_factory=set)
+    # For `reconcile`: the sequences and prompts of the good requests answered in full,
+    # and of those the client cut short (and how many of those prompts were streamed).
+    answered_choices: int = 0
+    answered_prompts: int = 0
+    cut_choices: int = 0
+    cut_prompts: int = 0
+    cut_stream_prompts: int = 0
+    server: dict = field(default_factory=dict)  # the server's counters over the run
     failures: list[str] = field(default_factory=list)
     rss_warm_mib: float | None = None
     rss_end_mib: float | None = None
@@ -90,6 +100,16 @@ class Tally:
     def fail(self, message: str) -> None:
         if len(self.failures) < 50:
             self.failures.append(message)
+
+    def ended(self, choices: int, prompts: int, answered: bool, streamed: bool) -> None:
+        """A good request is over for the client: answered in full, or cut short."""
+        if answered:
+            self.answered_choices += choices
+            self.answered_prompts += prompts
+        else:
+            self.cut_choices += choices
+            self.cut_prompts += prompts
+            self.cut_stream_prompts += prompts if streamed else 0
 
 
 async def good_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
@@ -116,18 +136,31 @@ async def good_request(client: httpx.AsyncClient, rng: random.Random, tally: Tal
         if stream:
             async with client.stream("POST", path, json=body) as r:
                 tally.statuses[r.status_code] += 1
+                if r.status_code != 200:
+                    tally.fail(f"{path} stream: {r.status_code} {(await r.aread())[:200]!r}")
+                    return
                 stop_after = rng.randint(0, choices * max_tokens)  # 0: before any chunk
-                seen = 0
+                seen, answered = 0, False
                 if stop_after:
                     async for line in r.aiter_lines():
                         seen += line.startswith("data: ")
                         if seen >= stop_after:
                             break
-        else:
-            try:
-                await asyncio.wait_for(client.post(path, json=body), rng.uniform(0.0, 0.3))
-            except asyncio.TimeoutError:
-                return
+                    else:
+                        answered = True  # the stream ended first
+            tally.ended(choices, prompts, answered, streamed=True)
+            return
+        try:
+            r = await asyncio.wait_for(client.post(path, json=body), rng.uniform(0.0, 0.3))
+        except asyncio.TimeoutError:
+            tally.timed_out += 1
+            tally.ended(choices, prompts, answered=False, streamed=False)
+            return
+        tally.statuses[r.status_code] += 1
+        if r.status_code != 200:
+            tally.fail(f"{path} (left, answered first): {r.status_code} {r.text[:200]}")
+            return
+        tally.ended(choices, prompts, answered=True, streamed=False)
         return
     if stream:
         counts: Counter = Counter()
@@ -153,12 +186,14 @@ async def good_request(client: httpx.AsyncClient, rng: random.Random, tally: Tal
                         finishes[c["index"]] = c["finish_reason"]
         per_choice = [counts[i] for i in range(choices)]
         total = usage["completion_tokens"] if usage else None
+        tally.ended(choices, prompts, answered=True, streamed=True)
     else:
         r = await client.post(path, json=body)
         tally.statuses[r.status_code] += 1
         if r.status_code != 200:
             tally.fail(f"{path}: {r.status_code} {r.text[:200]}")
             return
+        tally.ended(choices, prompts, answered=True, streamed=False)
         out = r.json()
         finishes = {c["index"]: c["finish_reason"] for c in out["choices"]}
         total = out["usage"]["completion_tokens"]
@@ -207,11 +242,14 @@ def rss_mib(pid: int | None) -> float | None:
 
 
 def metrics(url: str) -> dict[str, float]:
-    values = {}
+    """The server's stallfree:* samples by name, summed over label sets (the success
+    counter has one per finish reason)."""
+    values: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("stallfree:") and " " in line:
             name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
+            name = name.split("{")[0]
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 
@@ -265,7 +303,45 @@ def settle(url: str, tally: Tally, timeout: float = 60) -> None:
         tally.fail(f"/health answered {health.status_code}: {health.text[:200]}")
 
 
+# The server's counters reconciled: sequences finished (by any reason), engine requests
+# (one per prompt) finished (every finished one has an end-to-end latency), and aborted.
+COUNTERS = {"sequences": "stallfree:request_success_total",
+            "finished": "stallfree:e2e_request_latency_seconds_count",
+            "aborted": "stallfree:request_aborted_total"}
+
+
+def reconcile(tally: Tally, before: dict[str, float], after: dict[str, float]) -> None:
+    """The server's request counters over the run (after settle()) against the clients.
+
+    No equality holds for the requests a client cut short: one may have finished at the
+    server first (its last chunks in flight), and a plain one given up on may never have
+    reached the engine (no trace at all). What must hold: everything answered in full
+    finished, sequence by sequence, and nothing finished beyond those and the cut ones;
+    each cut prompt finished or was aborted at most once; and each prompt of a cut
+    stream (admitted before its first byte was sent) did one or the other. Bad requests
+    leave no trace: they are refused before the engine tracks them.
+    """
+    got = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in COUNTERS.items()}
+    tally.server = got
+    t = tally
+    if not t.answered_choices <= got["sequences"] <= t.answered_choices + t.cut_choices:
+        t.fail(f"the server finished {got['sequences']:.0f} sequences; the clients had "
+               f"{t.answered_choices} in full and cut {t.cut_choices} short")
+    cut_finished = got["finished"] - t.answered_prompts  # prompts cut, finished all the same
+    if cut_finished < 0:
+        t.fail(f"the server finished {got['finished']:.0f} requests; the clients had "
+               f"{t.answered_prompts} prompts answered in full")
+    traces = cut_finished + got["aborted"]
+    if not t.cut_stream_prompts <= traces <= t.cut_prompts:
+        t.fail(f"of {t.cut_prompts} prompts cut short ({t.cut_stream_prompts} streamed), "
+               f"{cut_finished:.0f} finished and {got['aborted']:.0f} were aborted")
+
+
 def check(tally: Tally, rss_bound: float) -> None:
+    recorded, due = sum(tally.statuses.values()), tally.requests - tally.timed_out
+    if recorded != due:  # a request that raised has none either (and failed already)
+        tally.fail(f"{recorded} statuses for the {due} requests that got an answer "
+                   f"({tally.timed_out} more given up on by their clients)")
     server_errors = sum(v for k, v in tally.statuses.items() if k >= 500)
     if server_errors:
         tally.fail(f"{server_errors} answers were 5xx: {dict(tally.statuses)}")
@@ -289,9 +365,11 @@ def run_policy(args: argparse.Namespace, policy: str, count: int, deadline: floa
         url, pid = server.base_url, server.proc.pid
     start = time.monotonic()
     try:
+        before = metrics(url)  # a running server (--url) has counted other requests
         asyncio.run(soak(url, pid, tally, count, args.concurrency, deadline, args.seed,
                          args.warmup_fraction))
         settle(url, tally)
+        reconcile(tally, before, metrics(url))
         tally.rss_end_mib = rss_mib(pid)
         if server is not None and server.proc.poll() is not None:
             tally.fail(f"the server exited with {server.proc.returncode}")
@@ -334,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                             "bad_kinds": sorted(t.bad_kinds)} for t in tallies]}
     for t in tallies:
         print(f"{t.policy}: {t.requests} requests in {t.seconds:.0f} s: {t.completed} completed "
-              f"({t.tokens} tokens), {t.disconnected} left early, {t.bad_refused} bad refused "
-              f"({len(t.bad_kinds)} kinds); statuses {dict(sorted(t.statuses.items()))}; RSS "
+              f"({t.tokens} tokens), {t.disconnected} left early ({t.timed_out} before any "
+              f"answer), {t.bad_refused} bad refused ({len(t.bad_kinds)} kinds); statuses "
+              f"{dict(sorted(t.statuses.items()))}; server: {t.server}; RSS "
               f"{t.rss_warm_mib or 0:.0f} -> {t.rss_end_mib or 0:.0f} MiB; "
               f"{len(t.failures)} failures")
         for failure in t.failures[:10]:

@@ -36,4 +36,9 @@ def test_soak_500_requests_loses_nothing(tiny_model, tmp_path, monkeypatch):
         # Every part of the mix really ran: kept, abandoned and bad requests.
         assert run["completed"] > 0 and run["disconnected"] > 0 and run["bad_refused"] > 0
         assert run["completed"] + run["disconnected"] + run["bad_refused"] == run["requests"]
+        # Every request has a status but those given up on before any answer, and the
+        # server's counters were reconciled with the clients' (soak.reconcile).
+        assert sum(statuses.values()) == run["requests"] - run["timed_out"]
+        assert run["server"]["sequences"] >= run["answered_choices"] > 0
+        assert run["server"]["aborted"] > 0
     assert len(set().union(*(r["bad_kinds"] for r in runs))) >= 20
