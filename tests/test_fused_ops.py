@@ -1,5 +1,5 @@
-"""The fused CPU ops of csrc/fused_ops.cpp (residual add + RMSNorm, SiLU x up) against the
-torch path of layers.py, which stays the reference. Without a built kernel library the
+"""The fused CPU op of csrc/fused_ops.cpp (residual add + RMSNorm) against the torch path
+of layers.py, which stays the reference. Without a built kernel library the
 tests that run them skip, saying why."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.layers import FUSED, RMSNorm, SwiGLUMLP
+from stallfree.model.layers import FUSED, RMSNorm
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
-# The sum of squares and exp may round in another order than torch's: float32 differs in
+# The sum of squares may round in another order than torch's: float32 differs in
 # the last bits; bf16 by one ulp of the normed value before the weight multiplies it and
 # the product is rounded again (2 ulps, 2^-6 relative).
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -6, atol=1e-3)}
@@ -45,18 +45,6 @@ def test_add_rms_norm_matches_the_torch_path(rows, dim, dtype, seed):
 
 
 @needs_kernel
-@settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 40), inter=st.integers(1, 200), dtype=DTYPES,
-       seed=st.integers(0, 999))
-def test_silu_mul_matches_the_torch_path(rows, inter, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    mlp = SwiGLUMLP(8, inter)
-    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
-    out, ref = _both(lambda: mlp.act(gate_up))
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-
-
-@needs_kernel
 def test_only_contiguous_cpu_float32_and_bf16_rows_are_fused():
     norm = RMSNorm(16, 1e-6)
     x = torch.randn(4, 32)[:, ::2]  # strided: the torch path
@@ -72,5 +60,3 @@ def test_bad_operands_are_refused():
         torch.ops.stallfree.rms_norm(x, torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="residual"):
         torch.ops.stallfree.add_rms_norm(x, torch.zeros(2, 9), torch.ones(8), 1e-6)
-    with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
-        torch.ops.stallfree.silu_mul(torch.randn(2, 7))

@@ -59,17 +59,30 @@ class Sampler:
         if bool((min_ps > 0).any()):
             keep = probs >= min_ps * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Exponential race (argmax of p / E, E ~ Exp(1)) samples from p without a
-        # CPU sync per row and lets each row own its random stream.
-        noise = torch.empty_like(probs)
-        shared = self._shared_generator(device)
+        # Inverse CDF: one uniform draw per row, found in the row's cumulative sums. An
+        # exponential race (torch.multinomial does one) draws a number per vocabulary
+        # entry on one thread: 12 ms a step at 32 rows of a 49K vocabulary. Rows without
+        # a seed share one generator; a seeded row owns one per (seed, output index).
+        uniform = torch.empty(len(params), 1, dtype=torch.float64, device=device)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            draws = torch.rand(len(unseeded), 1, dtype=torch.float64, device=device,
+                               generator=self._shared_generator(device))
+            uniform[torch.tensor(unseeded, device=device)] = draws
         for row, (req, p) in enumerate(zip(requests, params)):
-            gen = shared
             if p.seed is not None:
                 gen = torch.Generator(device=device).manual_seed(
                     _step_seed(p.seed, req.num_output_tokens))
-            noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, dtype=torch.float64, device=device, generator=gen)
+        return sample_inverse_cdf(probs, uniform)
+
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniform[i] (in [0, 1))
+    of the row's total. Sums in float64, so small probabilities keep their weight; a token
+    of probability 0 adds nothing to the sum and can never be the first to exceed it."""
+    cdf = probs.double().cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).flatten()
+    return picked.clamp_(max=probs.shape[-1] - 1)  # u * total rounding up to the total
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
