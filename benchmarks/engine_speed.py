@@ -14,6 +14,7 @@ import time
 import torch
 
 from stallfree import LLM, SamplingParams
+from stallfree.executor.hardware import cpu_flags
 from stallfree.model.llama import kv_cache_bytes_per_token
 from stallfree.model.paged_decode import kernel_enabled
 
@@ -115,7 +116,9 @@ def main() -> None:
     bandwidth = memory_floor_gbps(device)
     matmul = matmul_floor_gflops(device, dtype)
     decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
-    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}")
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}; "
+          f"CPU flags: {' '.join(flags)}")
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
 
@@ -127,13 +130,22 @@ def main() -> None:
         gflops = rate * 2 * params_non_embedding / 1e9
         print(f"| {chunk} | {rate:.0f} | {gflops:.1f} | {100 * gflops / matmul:.0f}% |")
 
-    print("\ndecode step, 512-token contexts")
-    print("| batch | ms/step | tokens/s | x memory floor |\n|---|---|---|---|")
+    # A step's floors: the bytes it must read (weights and the batch's KV) at the measured
+    # bandwidth, and its matmul FLOPs (every weight, LM head included) at the matmul rate.
+    kv_bytes = kv_cache_bytes_per_token(engine.model_config, dtype)
+    matmul_params = params_non_embedding + (0 if engine.executor.model.lm_head is not None
+                                            else engine.model_config.vocab_size
+                                            * engine.model_config.hidden_size)
+    print("\ndecode step, 512-token contexts (floor: the larger of memory and compute)")
+    print("| batch | ms/step | tokens/s | memory floor ms | compute floor ms | x floor |\n"
+          "|---|---|---|---|---|---|")
     for batch in ([1, 8] if args.quick else [1, 8, 32, 64]):
         seconds = decode_step_seconds(llm, batch, 512, steps=16)
-        print(f"| {batch} | {seconds * 1000:.1f} | {batch / seconds:.0f} | "
-              f"{seconds * 1000 / decode_floor_ms:.2f} |")
-
+        memory_ms = (weight_bytes + batch * 512 * kv_bytes) / (bandwidth * 1e9) * 1e3
+        compute_ms = 2 * matmul_params * batch / (matmul * 1e9) * 1e3
+        floor = max(memory_ms, compute_ms)
+        print(f"| {batch} | {seconds * 1000:.1f} | {batch / seconds:.0f} | {memory_ms:.1f} | "
+              f"{compute_ms:.1f} | {seconds * 1000 / floor:.2f} |")
 
 if __name__ == "__main__":
     main()

