@@ -2,8 +2,9 @@
 
 Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
 Every figure is a median of repeated measurements taken in this one run.
---decode-kernel-ab [--dtype D]: only the decode steps, with the paged decode kernel and with
-the torch gather path in alternation (rounds interleaved), side by side.
+--kernel-ab NAME [--dtype D]: only the decode steps, with one CPU kernel and with its torch
+path in alternation (rounds interleaved), side by side. NAME: paged_decode (decode
+attention), skinny_linear (few-token bf16 matmuls), fused_norm (residual add + RMSNorm).
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.executor.hardware import cpu_flags
+from stallfree.model import layers, linear, paged_decode
 from stallfree.model.llama import kv_cache_bytes_per_token
-from stallfree.model.paged_decode import kernel_enabled
+
+SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
+            "fused_norm": layers.FUSED}
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -82,16 +86,16 @@ def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
     return statistics.median(rates)
 
 
-def decode_kernel_ab(llm: LLM, batches: list[int], rounds: int) -> None:
-    """Decode step time at 512-token contexts, kernel vs torch gather path, interleaved."""
+def decode_kernel_ab(llm: LLM, name: str, batches: list[int], rounds: int) -> None:
+    """Decode step time at 512-token contexts, kernel vs its torch path, interleaved."""
     print(f"decode step, 512-token contexts, {llm.engine.dtype}, "
-          f"{torch.get_num_threads()} threads; median of {rounds} interleaved rounds")
-    print("| batch | gather ms/step | kernel ms/step | speed-up |\n|---|---|---|---|")
+          f"{torch.get_num_threads()} threads; {name}: median of {rounds} interleaved rounds")
+    print("| batch | torch path ms/step | kernel ms/step | speed-up |\n|---|---|---|---|")
     for batch in batches:
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
-                with kernel_enabled(on):
+                with SWITCHES[name].within(on):
                     times[on].append(decode_step_seconds(llm, batch, 512, steps=8))
         old, new = (statistics.median(times[k]) * 1e3 for k in (False, True))
         print(f"| {batch} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)
@@ -101,12 +105,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's)")
-    parser.add_argument("--decode-kernel-ab", action="store_true",
-                        help="decode steps with and without the paged decode kernel only")
+    parser.add_argument("--kernel-ab", choices=sorted(SWITCHES), default=None,
+                        help="decode steps with and without this CPU kernel only")
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, dtype=args.dtype)
-    if args.decode_kernel_ab:
-        decode_kernel_ab(llm, [1, 8] if args.quick else [1, 8, 32, 64], 3 if args.quick else 5)
+    if args.kernel_ab:
+        decode_kernel_ab(llm, args.kernel_ab, [1, 8] if args.quick else [1, 8, 32, 64],
+                         3 if args.quick else 5)
         return
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
