@@ -57,30 +57,65 @@ def _sampling(i: int) -> dict:
     return {"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}
 
 
-def test_streamed_json_schema_answers_parse_and_validate(server):
-    async def one(client: openai.AsyncOpenAI, i: int, prompt: str, schema: dict) -> str:
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=512,
-            stream=True, response_format={"type": "json_schema", "json_schema": {
-                "name": f"s{i}", "schema": schema, "strict": True}}, **_sampling(i))
-        parts, finish = [], None
-        async for chunk in stream:
-            parts.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        assert finish == "stop"
-        return "".join(parts)
+# Every schema greedy and sampled, streamed and whole: cell k is (schema, stream), and
+# _sampling(k) alternates greedy and sampled, so each sampled cell draws its own seed.
+JSON_CELLS = [(i, stream) for i in range(len(SCHEMAS)) for stream in (False, True)
+              for _ in range(2)]
 
-    async def scenario() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                    max_retries=0, timeout=300)
+
+async def _json_schema_answer(client: openai.AsyncOpenAI, k: int) -> tuple[str, str | None]:
+    """(text, finish_reason) of cell k; max_tokens far above what any answer needs: the
+    grammar, not the limit, must end it."""
+    i, stream = JSON_CELLS[k]
+    prompt, schema = SCHEMAS[i]
+    request = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+               "max_tokens": 512, "response_format": {"type": "json_schema", "json_schema": {
+                   "name": f"s{i}", "schema": schema, "strict": True}}, **_sampling(k)}
+    if not stream:
+        done = await client.chat.completions.create(**request)
+        return done.choices[0].message.content, done.choices[0].finish_reason
+    parts, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **request):
+        parts.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(parts), finish
+
+
+def _json_schema_answers(url: str) -> list[tuple[str, str | None]]:
+    """Every cell's answer, all sent at once: one batch, not one request after another."""
+    async def scenario() -> list[tuple[str, str | None]]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=300)
         try:
-            return await asyncio.gather(*(one(client, i, p, s)
-                                          for i, (p, s) in enumerate(SCHEMAS)))
+            return await asyncio.gather(*(_json_schema_answer(client, k)
+                                          for k in range(len(JSON_CELLS))))
         finally:
             await client.close()
 
-    for text, (_, schema) in zip(asyncio.run(scenario()), SCHEMAS):
-        jsonschema.validate(json.loads(text), schema)
+    return asyncio.run(scenario())
+
+
+def _json_schema_failure(k: int, text: str, finish: str | None) -> str | None:
+    """Why cell k's answer is wrong, or None when it parses, validates and stopped."""
+    i, stream = JSON_CELLS[k]
+    where = (f"schema {i} {'streamed' if stream else 'whole'} "
+             f"{'sampled' if k % 2 else 'greedy'}: {text!r}")
+    if finish != "stop":
+        return f"{where} finished with {finish}"
+    try:
+        jsonschema.validate(json.loads(text), SCHEMAS[i][1])
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return f"{where} {type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def test_json_schema_answers_parse_and_validate_greedy_and_sampled_streamed_and_not(server):
+    assert len(SCHEMAS) >= 20
+    answers = _json_schema_answers(server.url)
+    # Every wrong cell at once: one failing schema should not hide another.
+    failures = [why for k, (text, finish) in enumerate(answers)
+                if (why := _json_schema_failure(k, text, finish))]
+    assert not failures, "\n".join(failures)
 
 
 class Unit(str, Enum):
