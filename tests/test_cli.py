@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stallfree", *args], capture_output=True,
@@ -90,3 +92,29 @@ def test_a_bad_list_flag_is_a_usage_error(capsys):
         main(["simulate", "--token-budget", "512,lots"])
     assert exc.value.code == 2
     assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def _prefix_caching(argv: list[str]) -> bool:
+    """enable_prefix_caching as `stallfree ARGV` parses it: serve's engine config, or the
+    simulated deployment."""
+    from stallfree.cli import build_parser
+    from stallfree.cli.args import engine_config_from_args, settings_from_args
+    from stallfree.sim.run import Deployment
+
+    args = build_parser().parse_args(argv)
+    if argv[0] == "serve":
+        return engine_config_from_args(args).cache.enable_prefix_caching
+    return Deployment(**settings_from_args(Deployment, args)).enable_prefix_caching
+
+
+CAPACITY = ["capacity", "--tbt-slo", "1"]
+
+
+# simulate's deployment flags go before or after its subcommand (capacity).
+@pytest.mark.parametrize("before,after", [
+    (["serve"], []), (["simulate"], []), (["simulate"], CAPACITY), (["simulate", *CAPACITY], [])],
+    ids=["serve", "simulate", "simulate-flag-capacity", "simulate-capacity-flag"])
+def test_prefix_caching_is_on_by_default_and_the_no_flag_turns_it_off(before, after):
+    assert _prefix_caching(before + after) is True
+    assert _prefix_caching(before + ["--no-enable-prefix-caching"] + after) is False
+    assert _prefix_caching(before + ["--enable-prefix-caching"] + after) is True
