@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         # q, k, v fused into one matmul: rows are [q | k | v].
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias)
+                               bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
