@@ -8,18 +8,8 @@ request's deltas to that request's asyncio queue with
 runs a function on the engine thread, e.g. to reset the prefix cache), and
 a slow client never slows the batch: its deltas just pile up in its own queue.
 
-Failure rules: a request the engine refuses (ValueError) fails alone; a full
-waiting queue refuses at once (`QueueFullError`); a request that fails on its own
-in a step (its sampling, its detokenizing) gets `RequestFailedError` and the batch
-goes on. Workers that fail (`WorkerError`) are restarted and every running request
-recomputed, so clients see a delay, not an error (up to `MAX_WORKER_RESTARTS` in a
-row). A step that fails for no one request's fault fails the requests it held
-(`RequestFailedError`) and the engine goes on with the next ones; a failing
-iteration log is closed and serving goes on. Only when steps keep failing
-(`MAX_CONSECUTIVE_FAILURES` in a row) or recovery itself fails is the engine dead:
-every in-flight request and every later submission gets `EngineDeadError`, /health
-answers 503, and `on_fatal` runs (the server then exits non-zero, for its
-supervisor to restart it), so nobody waits forever on a process that cannot serve.
+Which failure a request or the engine survives, and what a client then sees:
+`engine_errors.py`.
 """
 from __future__ import annotations
 
@@ -36,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..executor.base import WorkerError
 from ..iteration_log import IterationLog
 from ..sampling_params import SamplingParams
+from .engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from .engine_thread import EngineThread
 from .prometheus import ServerMetrics
 
@@ -45,18 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stallfree.server")
 
 Prompt = str | list[int]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has failed (or shut down); nothing more will be generated."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds --max-waiting-requests sequences already."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed in the engine (the engine itself goes on)."""
 
 
 # Failed steps in a row after which the engine is declared dead: recovery ends every
@@ -96,6 +75,14 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
+Deliveries = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]
+
+
+def _add(deliveries: Deliveries, tracked: _Tracked, item: Any) -> None:
+    """Queues `item` for `tracked`'s event loop (handed over once per loop and step)."""
+    deliveries.setdefault(tracked.loop, []).append((tracked.queue, item))
+
+
 class AsyncEngine:
     """Owns an `LLMEngine` in a background thread; async methods for the event loop."""
 
@@ -123,7 +110,6 @@ class AsyncEngine:
         self._failures = 0  # failed steps in a row
         self._restarts = 0  # worker restarts in a row
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._loop = (thread or EngineThread()).submit(self._run)
 
     # ---- event-loop side ------------------------------------------------------
@@ -231,7 +217,7 @@ class AsyncEngine:
                         self._restart_workers(exc)
                     except Exception as exc:  # noqa: BLE001 - recover, or die below
                         self._recover(exc)
-                self._update_gauges()
+                self.metrics.observe_stats(self.engine.stats())
         except BaseException as exc:  # noqa: BLE001 - any failure to recover kills the loop
             logger.exception("engine loop failed; failing every request")
             self._fail_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"),
@@ -265,9 +251,13 @@ class AsyncEngine:
         error = RequestFailedError(f"the engine failed while running this request "
                                    f"({type(exc).__name__}: {exc}); retry it")
         self.engine.abort_all()
-        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        self._fail_tracked(error)
+
+    def _fail_tracked(self, error: BaseException) -> None:
+        """Hands `error` to every tracked request and forgets them."""
+        deliveries: Deliveries = {}
         for tracked in self._tracked.values():
-            deliveries.setdefault(tracked.loop, []).append((tracked.queue, error))
+            _add(deliveries, tracked, error)
         self._tracked.clear()
         self._deliver(deliveries)
 
@@ -344,9 +334,7 @@ class AsyncEngine:
             metrics.observe_iteration(record)
             if self.iteration_log is not None:
                 self._write_log(record)
-            if record.num_preempted:
-                metrics.preemptions.inc(record.num_preempted)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        deliveries: Deliveries = {}
         generated = 0
         for out in step.outputs:  # each carries a new token
             tracked = self._tracked.get(out.request_id)
@@ -356,59 +344,38 @@ class AsyncEngine:
             if not tracked.prompt_counted:
                 tracked.prompt_counted = True
                 metrics.prompt_tokens.inc(tracked.prompt_len)
-            deliveries.setdefault(tracked.loop, []).append((tracked.queue, out))
+            _add(deliveries, tracked, out)
         if generated:
             metrics.generation_tokens.inc(generated)
         for final in step.finished:
             tracked = self._tracked.pop(final.request_id, None)
             if tracked is None:
                 continue
-            deliveries.setdefault(tracked.loop, []).append((tracked.queue, final))
+            _add(deliveries, tracked, final)
             metrics.observe_finished(final)
         for rid, reason in step.failed.items():  # already released by the engine
             tracked = self._tracked.pop(rid, None)
             if tracked is not None:
-                deliveries.setdefault(tracked.loop, []).append(
-                    (tracked.queue, RequestFailedError(f"this request failed: {reason}")))
+                _add(deliveries, tracked, RequestFailedError(f"this request failed: {reason}"))
         self._deliver(deliveries)
 
     @staticmethod
-    def _deliver(deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:
+    def _deliver(deliveries: Deliveries) -> None:
         for loop, items in deliveries.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # loop closed
                 pass
 
-    def _update_gauges(self) -> None:
-        stats, metrics = self.engine.stats(), self.metrics
-        metrics.running.set(stats.num_running)
-        metrics.waiting.set(stats.num_waiting)
-        metrics.kv_usage.set(stats.kv_usage)
-        metrics.kv_free_blocks.set(stats.num_free_blocks)
-        metrics.kv_total_blocks.set(stats.num_total_blocks)
-        # The engine's counts are cumulative since its cache was made (reconfigure restarts
-        # them): count what is new.
-        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        seen_queries, seen_hits = self._prefix_seen
-        if queries < seen_queries or hits < seen_hits:
-            seen_queries = seen_hits = 0
-        metrics.prefix_cache_queries.inc(queries - seen_queries)
-        metrics.prefix_cache_hits.inc(hits - seen_hits)
-        self._prefix_seen = (queries, hits)
-
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         with self._lock:
             self._dead = cause or error
-        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, tracked in self._tracked.items():
-            deliveries.setdefault(tracked.loop, []).append((tracked.queue, error))
+        for rid in self._tracked:
             try:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - the engine may be broken
                 pass
-        self._tracked.clear()
-        self._deliver(deliveries)
+        self._fail_tracked(error)
         # Commands queued before _dead was set: answer them too.
         while True:
             try:
@@ -420,6 +387,6 @@ class AsyncEngine:
             elif command[0] == "call":
                 _reply(command[2], command[3], error=error)
         try:
-            self._update_gauges()
+            self.metrics.observe_stats(self.engine.stats())
         except Exception:  # noqa: BLE001
             pass

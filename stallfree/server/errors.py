@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import EngineDeadError, RequestFailedError
+from .engine_errors import EngineDeadError, RequestFailedError
 from .protocol import ErrorResponse
 
 logger = logging.getLogger("stallfree.server")

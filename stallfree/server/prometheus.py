@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..outputs import EngineInfo, IterationRecord, RequestOutput
+from ..outputs import EngineInfo, EngineStats, IterationRecord, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -89,8 +89,25 @@ class ServerMetrics:
         self.aborted = counter("request_aborted", "Requests aborted (e.g. client disconnects).")
         self.worker_restarts = counter("worker_restarts",
                                        "Times failed workers were restarted (requests recomputed).")
+        self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._engine_info = Info("stallfree:engine", "How the engine runs: device, dtype (and "
                                  "why auto chose it), compute threads.", registry=registry)
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        """The engine's load gauges, and what its cumulative prefix-cache counts added."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_free_blocks.set(stats.num_free_blocks)
+        self.kv_total_blocks.set(stats.num_total_blocks)
+        # The engine counts since its cache was made (reconfigure restarts them).
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        seen_queries, seen_hits = self._prefix_seen
+        if queries < seen_queries or hits < seen_hits:
+            seen_queries = seen_hits = 0
+        self.prefix_cache_queries.inc(queries - seen_queries)
+        self.prefix_cache_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)
 
     def set_engine_info(self, info: EngineInfo) -> None:
         self._engine_info.info({"model_name": self.model_name, "device": info.device,
@@ -117,6 +134,8 @@ class ServerMetrics:
     def observe_iteration(self, record: IterationRecord) -> None:
         """One completed engine iteration."""
         self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+        if record.num_preempted:
+            self.preemptions.inc(record.num_preempted)
         if record.predicted_time is not None:
             self.iteration_budget.observe(record.token_budget)
             self.iteration_predicted.observe(record.predicted_time)

@@ -15,9 +15,10 @@ from fastapi import Depends, Request
 from ..model.tokenizer import chat_prompt_ids
 from ..sampling_params import SamplingParams
 from ..structured import build_grammar
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .async_engine import AsyncEngine
 from .config import RequestLimits
 from .engine_call import Generation
+from .engine_errors import EngineDeadError, QueueFullError
 from .errors import APIError, bad_value
 from .limits import check_request_limits
 from .tokenizers import TokenizerPool

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ..async_engine import EngineDeadError
+from ..engine_errors import EngineDeadError
 from ..errors import ERROR_RESPONSES, APIError
 from ..state import StateDep
 
