@@ -34,8 +34,9 @@ import torch
 
 import stallfree.attention_plan as plan
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernels import unavailable_reason
 from stallfree.model.loader import default_model_path, load_model_config
-from stallfree.model.paged_decode import kernel_enabled, unavailable_reason
+from stallfree.model.paged_decode import kernel_enabled
 
 BLOCK = 16
 # (decodes, long requests among them, their context): the rest are short (mean ~270 tokens).

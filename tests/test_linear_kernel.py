@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.linear import SKINNY_MAX_TOKENS, Linear, kernel_enabled, linear
+from stallfree.model.linear import SKINNY_MAX_TOKENS, SWITCH, Linear, linear
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
@@ -64,7 +64,7 @@ def test_linear_takes_the_kernel_only_for_few_bf16_rows(monkeypatch):
     expected = F.linear(x, layer.weight, layer.bias)
     layer(x)                                   # too many rows: torch
     layer.float()(x.float())                   # float32: torch
-    with kernel_enabled(False):
+    with SWITCH.within(False):
         layer.bfloat16()(x[:1])                # switched off: torch
     assert calls == []
     got = layer(x[:2])

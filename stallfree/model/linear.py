@@ -11,8 +11,6 @@ STALLFREE_SKINNY_LINEAR=0 turns the kernel off.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,11 +21,6 @@ from .kernels import KernelSwitch
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
 SKINNY_MAX_TOKENS = 4
 SWITCH = KernelSwitch("STALLFREE_SKINNY_LINEAR")
-
-
-def kernel_enabled(enabled: bool) -> AbstractContextManager[None]:
-    """Few-token bf16 matmuls in the kernel (True, where usable) or in torch (False)."""
-    return SWITCH.within(enabled)
 
 
 def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
