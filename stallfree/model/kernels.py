@@ -99,12 +99,13 @@ class KernelSwitch:
     """Whether one kernel is used where it could be: on unless its environment variable is
     "0"; `within(False)` runs the reference path inside a block (comparisons, benchmarks)."""
 
-    def __init__(self, env_var: str) -> None:
+    def __init__(self, env_var: str, needs_library: bool = True) -> None:
         self.env_var = env_var
         self.enabled = os.environ.get(env_var, "1") != "0"
+        self.needs_library = needs_library
 
     def usable(self) -> bool:
-        return self.enabled and LIBRARY.load()
+        return self.enabled and (not self.needs_library or LIBRARY.load())
 
     @contextmanager
     def within(self, enabled: bool) -> Iterator[None]:

@@ -7,7 +7,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
-from .linear import Linear, linear
+from .linear import Linear, linear, pack_weight
 from .parallel import Shard, VocabParallelEmbedding
 
 
@@ -121,10 +121,24 @@ class LlamaForCausalLM(nn.Module):
             return x + residual
         return self.model.norm.add_forward(x, residual)[0]
 
+    def _logits_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.shard.gather_vocab(linear(hidden, weight).float(), self.config.vocab_size)
+        logits = linear(hidden, self._logits_weight(), packed=self.logits_packed)
+        return self.shard.gather_vocab(logits.float(), self.config.vocab_size)
+
+    # The tied embedding's packed copy (linear.pack_weight); lm_head, a Linear, holds its own.
+    logits_packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Reorder matmul weights for the CPU's matmul library; once their values are final."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.lm_head is None and self.model.embed_tokens is not None:
+            self.logits_packed = pack_weight(self._logits_weight())
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""

@@ -39,9 +39,10 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
     with a `shard`, only that rank's part of the weights is read."""
     path, is_dir = _resolve(path)
     device, shard = torch.device(device), shard or Shard()
-    if is_dir:
-        return _load_hf_dir(path, dtype, device, shard)
-    return _load_gguf(path, dtype, device, shard)
+    load = _load_hf_dir if is_dir else _load_gguf
+    model, config = load(path, dtype, device, shard)
+    model.prepack()
+    return model, config
 
 
 def load_model_config(path: str | None) -> ModelConfig:
