@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -337,3 +338,28 @@ def test_prometheus_histogram_diff():
     assert run["mean_s"] == pytest.approx((0.3 + 9.0) / 6)
     assert run["median_upper_s"] == 0.3
     assert parse_histogram("other_metric 1") is None
+
+
+def test_the_min_rate_floor_counts_conversations_not_turns():
+    from stallfree.bench.capacity_run import with_min_rate_floor
+    from stallfree.bench.config import BenchConfig, CapacityConfig, ClientConfig
+
+    def floor(turns: int) -> float:
+        bench = BenchConfig(WorkloadConfig(num_prompts=60, turns=turns),
+                            ClientConfig(base_url="", max_duration=300.0))
+        cfg = CapacityConfig(bench, SearchConfig([1.0], min_rate=0.01))
+        return with_min_rate_floor(cfg).search.min_rate
+
+    # 60 requests, or 10 six-turn conversations, must arrive within 200 s.
+    assert floor(1) == pytest.approx(0.3)
+    assert floor(6) == pytest.approx(0.05)
+
+
+def test_a_server_log_dir_is_made_when_missing(tmp_path):
+    from stallfree.bench.systems import ServerProcess, System
+
+    log_dir = tmp_path / "new" / "logs"
+    command = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(RuntimeError):
+        ServerProcess(System("quits", command=command), startup_timeout=20, log_dir=str(log_dir))
+    assert len(list(log_dir.glob("quits-*.log"))) == 1

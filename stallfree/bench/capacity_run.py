@@ -72,14 +72,17 @@ def with_min_rate_floor(cfg: CapacityConfig) -> CapacityConfig:
     """No trial below the rate at which the workload cannot even be sent within max_duration.
 
     Below N / max_duration the trial would fail for lack of time, not for missing the SLO;
-    1.5x leaves a third of the time to drain the queue.
+    1.5x leaves a third of the time to drain the queue. With conversations, the rate is
+    their arrival rate: N counts conversations, not turns.
     """
-    max_duration, num_prompts = cfg.bench.client.max_duration, cfg.bench.workload.num_prompts
+    max_duration, workload = cfg.bench.client.max_duration, cfg.bench.workload
     if max_duration is None:
         return cfg
-    floor = 1.5 * num_prompts / max_duration
+    arrivals = -(-workload.num_prompts // workload.turns)
+    floor = 1.5 * arrivals / max_duration
     if cfg.search.min_rate < floor:
-        print(f"min rate raised to {floor:.3g} req/s: {num_prompts} requests must arrive "
+        what = "requests" if workload.turns == 1 else "conversations"
+        print(f"min rate raised to {floor:.3g} req/s: {arrivals} {what} must arrive "
               f"within 2/3 of --max-duration {max_duration:g} s", flush=True)
     search = dataclasses.replace(cfg.search, min_rate=max(cfg.search.min_rate, floor))
     return dataclasses.replace(cfg, search=search)

@@ -120,6 +120,8 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [a.replace("{port}", str(self.port)) for a in system.command]
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
         fd, self.log_path = tempfile.mkstemp(prefix=f"{system.label}-", suffix=".log",
                                              dir=log_dir)
         self._log = os.fdopen(fd, "w")
