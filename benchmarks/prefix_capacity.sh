@@ -7,15 +7,17 @@
 #   benchmarks/prefix_capacity.sh [OUT_DIR]      (default out/prefix_capacity)
 #
 # Settings (environment): SLOS=0.206,1.031 (those of the capacity runs) BUDGET=128
-#   PARTS="multiturn shared"  N_MULTI=60 (6-turn conversations: 10)  N_SHARED=30
-#   MAX_TRIALS=6 TRIAL_LIMIT=300 (seconds per trial)  SEARCH_LIMIT=2400 (per search)
+#   PARTS="multiturn shared"  N_MULTI=300 (6-turn conversations: 50)  N_SHARED=100
+#   MAX_TRIALS=7 TRIAL_LIMIT=400 (seconds per trial)  SEARCH_LIMIT=2400 (per search)
+# A conversation's turns wait for each other (closed loop), so the conversations must be
+# many for the arrival rate, not their number, to set the load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/prefix_capacity}
 PY=${PY:-.venv/bin/python}
 SLOS=${SLOS:-0.206,1.031} BUDGET=${BUDGET:-128} PARTS=${PARTS:-multiturn shared}
-N_MULTI=${N_MULTI:-60} N_SHARED=${N_SHARED:-30} MAX_TRIALS=${MAX_TRIALS:-6}
-TRIAL_LIMIT=${TRIAL_LIMIT:-300} SEARCH_LIMIT=${SEARCH_LIMIT:-2400}
+N_MULTI=${N_MULTI:-300} N_SHARED=${N_SHARED:-100} MAX_TRIALS=${MAX_TRIALS:-7}
+TRIAL_LIMIT=${TRIAL_LIMIT:-400} SEARCH_LIMIT=${SEARCH_LIMIT:-2400}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 mkdir -p "$OUT"
 
@@ -35,10 +37,10 @@ search() {  # part, caching (on|off), core, workload flags...
 for part in $PARTS; do
   case $part in
     multiturn) flags=(--dataset sharegpt --length-scale 0.125 --max-model-len 1024 --turns 6
-                      --think-time 2 --num-prompts "$N_MULTI" --start-rate 0.1 --min-rate 0.005) ;;
+                      --think-time 2 --num-prompts "$N_MULTI" --start-rate 0.5 --min-rate 0.005) ;;
     shared) flags=(--dataset random --random-input-len 32 --random-output-len 32
                    --shared-prefix-len 1024 --max-model-len 2048 --num-prompts "$N_SHARED"
-                   --start-rate 0.5 --min-rate 0.02) ;;
+                   --start-rate 1 --min-rate 0.02) ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
   search "$part" on 0 "${flags[@]}" & on_pid=$!

@@ -23,6 +23,7 @@ import torch
 logger = logging.getLogger("stallfree.model")
 
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))
 # -O3 and the host's vector width: the kernels are plain loops and GCC vector types.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-g0")
 LIBRARY_NAME = "kernels"
@@ -44,7 +45,7 @@ def _cpu_flags() -> str:
 def build_tag() -> str:
     """What the library was compiled from and for; part of its file name."""
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         h.update(source.read_bytes())
     for part in (" ".join(CFLAGS), torch.__version__, platform.machine(), _cpu_flags()):
         h.update(part.encode())

@@ -25,49 +25,9 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
-
-// 16 floats: one AVX-512 register, two AVX2 ones; GCC/Clang vector extensions keep the
-// kernel free of one instruction set's intrinsics.
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-// 16 values widened to fp32 from an unaligned address.
-inline vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vf load16(const c10::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
-}
-
-inline vf load16(const c10::Half* p) {
-#ifdef __FLT16_MANT_DIG__
-  typedef _Float16 vhf __attribute__((vector_size(32)));
-  vhf h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vf);
-#else
-  vf v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-
-inline float hsum(vf a) {
-  vf8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 // The lane sums of 16 vectors, in order, as one vector: a transpose-and-add tree that
 // costs 45 operations where 16 separate horizontal sums would cost about 160.
@@ -92,24 +52,6 @@ inline vf hsum16(const vf* a) {
                                  28, 30) +
          __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                  29, 31);
-}
-
-typedef int32_t vi __attribute__((vector_size(64)));
-
-// e^x for x <= 0 in every lane (Cephes' expf polynomial, ~1 ulp).
-inline vf exp_nonpositive(vf x) {
-  const vf lo = vf{} - 87.0f, magic = vf{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers
-  x = x < lo ? lo : x;
-  const vf n = (x * 1.44269504088896341f + magic) - magic;
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
 inline float hmax(vf a) {
