@@ -4,8 +4,8 @@ Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
 Every figure is a median of repeated measurements taken in this one run.
 --kernel-ab NAME [--dtype D]: only the decode steps, with one CPU kernel and with its torch
 path in alternation (rounds interleaved), side by side. NAME: paged_decode (decode
-attention), skinny_linear (few-token bf16 matmuls), fused_norm (residual add + RMSNorm),
-packed_linear (bf16 matmuls from weights prepacked for oneDNN).
+attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RMSNorm, and
+RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from stallfree.model import layers, linear, paged_decode
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
-            "fused_norm": layers.FUSED, "packed_linear": linear.PACKED}
+            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED}
 
 
 def _median_time(fn, repeats: int) -> float:

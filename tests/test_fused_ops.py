@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.layers import FUSED, RMSNorm
+from stallfree.model.layers import FUSED, RMSNorm, RotaryEmbedding, apply_rope, rope_and_cache
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
@@ -60,3 +60,53 @@ def test_bad_operands_are_refused():
         torch.ops.stallfree.rms_norm(x, torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="residual"):
         torch.ops.stallfree.add_rms_norm(x, torch.zeros(2, 9), torch.ones(8), 1e-6)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       head_dim=st.sampled_from([32, 64, 128]), dtype=DTYPES, seed=st.integers(0, 999))
+def test_rope_and_cache_matches_the_torch_path(tokens, kv_heads, group, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, block_size, num_blocks = kv_heads * group, 4, 16
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None).to(dtype)
+    positions = torch.randint(0, 256, (tokens,), generator=gen)
+    cos, sin = rotary.lookup(positions, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+
+    fused_qkv, fused_cache = qkv.clone(), cache.clone()
+    assert rope_and_cache(fused_qkv, cos, sin, fused_cache, slots, heads, kv_heads)
+
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rotated = apply_rope(qk, cos, sin)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    ref_cache = cache.clone()
+    ref_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, rotated[:, heads:])
+    ref_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    got = fused_qkv[:, :(heads + kv_heads) * head_dim].view_as(rotated)
+    if dtype == torch.bfloat16:  # every product and sum rounds where the reference's does
+        assert torch.equal(got, rotated) and torch.equal(fused_cache, ref_cache)
+    else:  # the compiler may fuse a product into the sum (one rounding fewer)
+        torch.testing.assert_close(got, rotated, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused_cache, ref_cache, rtol=1e-6, atol=1e-6)
+    v_from = (heads + kv_heads) * head_dim
+    assert torch.equal(fused_qkv[:, v_from:], qkv[:, v_from:])  # v is left as it was
+
+
+@needs_kernel
+def test_rope_and_cache_declines_what_it_does_not_cover_and_refuses_bad_slots():
+    rotary = RotaryEmbedding(16, 32, 10000.0, None)
+    cos, sin = rotary.lookup(torch.arange(2), torch.float32)
+    cache = torch.zeros(2, 4, 4, 1, 16)
+    qkv = torch.randn(2, 3 * 16)
+    # head_dim 16 (not a multiple of 32): the torch path, nothing written.
+    assert not rope_and_cache(qkv.clone(), cos, sin, cache, torch.tensor([0, 1]), 1, 1)
+    assert not cache.any()
+    rotary = RotaryEmbedding(32, 32, 10000.0, None)
+    cos, sin = rotary.lookup(torch.arange(2), torch.float32)
+    cache = torch.zeros(2, 4, 4, 1, 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        rope_and_cache(torch.randn(2, 96), cos, sin, cache, torch.tensor([0, 16]), 1, 1)
+    assert not cache.any()

@@ -171,16 +171,19 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    cache_written: bool = False) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: one layer [2, blocks, block_size, Hkv, D].
 
-    Writes k/v into the cache, returns attention output [T, Hq, D].
+    Writes k/v into the cache (unless `cache_written`: the caller did), returns attention
+    output [T, Hq, D].
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if not cache_written:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     meta.prepare(kv_cache)
 
     outputs: list[torch.Tensor] = []

@@ -22,6 +22,22 @@ def _fused(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16) and FUSED.usable())
 
 
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int,
+                   kv_heads: int) -> bool:
+    """RoPE on the q and k heads of qkv [T, (heads + 2 kv_heads) D] in place and the k and
+    v heads written to their cache slots, in the kernel of csrc/rope_cache.cpp (one pass
+    for what apply_rope and two index_copy_ do in six ops); False, with nothing done,
+    where it does not apply: the caller then takes the torch path."""
+    t = qkv.shape[0]
+    if not (_fused(qkv) and kv_cache.dtype == qkv.dtype and kv_cache.is_contiguous()
+            and kv_cache.shape[-1] % 32 == 0 and cos.dtype == qkv.dtype):
+        return False
+    torch.ops.stallfree.rope_cache(qkv, cos.reshape(t, -1), signed_sin.reshape(t, -1),
+                                   kv_cache, slot_mapping, heads, kv_heads)
+    return True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

@@ -6,7 +6,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear, linear, pack_weight
 from .parallel import Shard, VocabParallelEmbedding
 
@@ -36,13 +36,15 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Rotate q and k heads together: one RoPE pass instead of two.
+        cached = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
+                                self.num_kv_heads)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
-        qk = apply_rope(qk, cos, sin)
+        if not cached:  # the torch path: q and k heads rotated together, in one pass
+            qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, cached)
         # Row-parallel: each rank holds a slice of the heads' contribution.
         return self.shard.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 

@@ -30,28 +30,6 @@ namespace {
 // step's few rows run on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
-template <typename T>
-inline vf load_any(const T* p, int n) {
-  return n == kLanes ? load16(p) : load_n(p, n);
-}
-
-template <typename T>
-inline void store_any(T* p, vf v, int n) {
-  if (n == kLanes)
-    store16(p, v);
-  else
-    store_n(p, v, n);
-}
-
-// fp32 values rounded as a tensor of T would hold them.
-template <typename T>
-inline vf in_dtype(vf v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return round_bf16(v);
-}
-
 // out = weight * rms_norm(h) and, with a residual, h = x + residual written back to it.
 template <typename T>
 void add_rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -98,6 +99,29 @@ inline void store_n(T* p, vf v, int n) {
   T tmp[kLanes];
   store16(tmp, v);
   std::memcpy(p, tmp, n * sizeof(T));
+}
+
+// Loads and stores of n <= 16 values.
+template <typename T>
+inline vf load_any(const T* p, int n) {
+  return n == kLanes ? load16(p) : load_n(p, n);
+}
+
+template <typename T>
+inline void store_any(T* p, vf v, int n) {
+  if (n == kLanes)
+    store16(p, v);
+  else
+    store_n(p, v, n);
+}
+
+// fp32 values rounded as a tensor of T would hold them.
+template <typename T>
+inline vf in_dtype(vf v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return round_bf16(v);
 }
 
 }  // namespace
