@@ -41,9 +41,11 @@ test: lint kernels
 bench: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
 
-# Where a served token's time goes (offline step vs served ITL, CPU per thread).
+# Where a served token's time goes (offline step vs served ITL, CPU per thread), and an
+# iteration's under load (scheduling, inputs, forward, sampling, bookkeeping).
 bench-serving: $(STAMP) kernels
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/serving_path.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/iteration_stages.py
 
 clean:
 	rm -rf $(VENV) .build

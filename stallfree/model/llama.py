@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,6 +11,8 @@ from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear, linear, pack_weight
 from .parallel import Shard, VocabParallelEmbedding
+
+logger = logging.getLogger("stallfree.model")
 
 
 def local_heads(config: ModelConfig, shard: Shard) -> tuple[int, int]:
@@ -136,11 +140,17 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Reorder matmul weights for the CPU's matmul library; once their values are final."""
+        packed = 0
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+                packed += module.weight.nbytes if module.packed is not None else 0
         if self.lm_head is None and self.model.embed_tokens is not None:
             self.logits_packed = pack_weight(self._logits_weight())
+            packed += self._logits_weight().nbytes if self.logits_packed is not None else 0
+        if packed:
+            logger.info("bf16 matmul weights prepacked for oneDNN: %.0f MB more memory "
+                        "(STALLFREE_PACKED_LINEAR=0 saves it, at a slower matmul)", packed / 1e6)
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""
