@@ -2,7 +2,7 @@
 logits and sampling, and the engine's bookkeeping, per iteration kind.
 
 Run: .venv/bin/python benchmarks/iteration_stages.py [--requests 32] [--prompt-len 256]
-     [--output-len 64] [--token-budget 512] [--dtype auto]
+     [--output-len 64] [--token-budget 512] [--temperature 0.8] [--dtype auto]
 
 All requests are submitted at once to the offline engine, so iterations run loaded: first
 prefill chunks beside growing decode batches (mixed), then decodes alone. Each stage is
@@ -64,7 +64,7 @@ def instrument(llm: LLM, clock: StageClock) -> None:
     runner.execute = clock.wrap("execute", runner.execute)
     model = runner.model
     model.forward = clock.wrap("forward", model.forward)
-    model.compute_logits = clock.wrap("logits", model.compute_logits)
+    model.compute_logits = clock.wrap("logits", model.compute_logits)  # the LM head
     runner.sampler = clock.wrap("sampling", runner.sampler)
     model_runner.token_logprobs = clock.wrap("sampling", model_runner.token_logprobs)
 
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
     llm = LLM(max_model_len=args.prompt_len + args.output_len + 16, dtype=args.dtype,
@@ -90,7 +91,8 @@ def main() -> None:
     engine = llm.engine
     clock = StageClock()
     instrument(llm, clock)
-    params = SamplingParams(temperature=0.8, max_tokens=args.output_len, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                            ignore_eos=True, seed=0)
     prompts = [[(i * 104729 + j * 7919) % 40000 + 100 for j in range(args.prompt_len)]
                for i in range(args.requests)]
     llm.generate(prompts[:2], params)  # warm-up
@@ -112,7 +114,7 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"dtype {engine.dtype}, {torch.get_num_threads()} threads, {args.requests} requests "
           f"x {args.prompt_len}-token prompts, {args.output_len} outputs, budget "
-          f"{args.token_budget}; CPU flags: {' '.join(flags)}")
+          f"{args.token_budget}, temperature {args.temperature}; CPU flags: {' '.join(flags)}")
     print("| iterations | n | median seqs | " + " | ".join(STAGES) + " | total ms |")
     print("|---|---:|---:|" + "---:|" * (len(STAGES) + 1))
     for kind, items in rows.items():
