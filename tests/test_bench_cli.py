@@ -131,3 +131,28 @@ def test_capacity_starts_an_slo_system_once_per_slo(fake_server, tmp_path, monke
     pngs = tmp_path / "png"  # a line per target on the rate plot
     assert cli_main(["bench", "plot", str(out), "--out-dir", str(pngs)]) == 0
     assert {"vs_rate.png", "capacity.png"} <= {p.name for p in pngs.iterdir()}
+
+
+def test_plot_of_an_iteration_log_under_a_tbt_slo(tmp_path):
+    from stallfree.bench.plot import plot_budget
+    from stallfree.iteration_log import IterationLog
+    from stallfree.outputs import IterationRecord
+
+    def write(path, budgets):
+        log = IterationLog(path)
+        log.header(block_size=16, threads=1, pipeline_depth=1, tbt_slo=0.2, tbt_slo_margin=0.8)
+        for i, budget in enumerate(budgets):
+            log.write(IterationRecord(start=i * 0.1, end=i * 0.1 + 0.05, num_prefill_tokens=0,
+                                      num_decode_tokens=2, num_seqs=2, num_preempted=0,
+                                      decode_contexts=(5, 9), num_sampled=2,
+                                      token_budget=budget,
+                                      predicted_time=None if budget is None else 0.04))
+        log.close()
+
+    write(tmp_path / "slo.jsonl", [64, 80, 96])
+    pngs = tmp_path / "png"
+    assert cli_main(["bench", "plot", str(tmp_path / "slo.jsonl"), "--out-dir", str(pngs)]) == 0
+    assert (pngs / "budget_slo.png").stat().st_size > 0
+    write(tmp_path / "fixed.jsonl", [None, None])
+    with pytest.raises(ValueError, match="no iteration has a token budget"):
+        plot_budget(str(tmp_path / "fixed.jsonl"), str(pngs / "x.png"))

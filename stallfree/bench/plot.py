@@ -8,6 +8,9 @@
 - `timeline_<label>.png`: per-request token timeline; gaps above the stall
   threshold in red, so stalls line up across requests when a prefill blocks
   every decode (vLLM/Orca) and are absent under stall-free batching.
+- `budget_<log>.png`, from a server's `--iteration-log` under `--tbt-slo`: the token
+  budget the SLO gave each iteration, and its measured and predicted time beside the
+  SLO and the target (SLO x margin).
 """
 from __future__ import annotations
 
@@ -177,18 +180,64 @@ def plot_timeline(rep: Report, path: str, max_requests: int = 40,
     plt.close(fig)
 
 
+def plot_budget(path: str, out: str, tbt_slo_ms: float | None = None) -> None:
+    """Chosen budget and iteration times over a run, from an iteration log."""
+    from ..iteration_log import read_iteration_log
+
+    settings, records = read_iteration_log(path)
+    records = [r for r in records if r.token_budget is not None]
+    if not records:
+        raise ValueError(f"{path}: no iteration has a token budget (a run without --tbt-slo?)")
+    t0 = records[0].start
+    times = np.array([r.start - t0 for r in records])
+    plt = _plt()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    top.plot(times, [r.token_budget for r in records], lw=0.8, label="token budget")
+    top.plot(times, [r.num_prefill_tokens + r.num_decode_tokens for r in records], lw=0.6,
+             alpha=0.7, label="tokens computed")
+    top.set_ylabel("tokens per iteration")
+    top.legend(loc="upper right")
+    bottom.plot(times, [1e3 * (r.end - r.start) for r in records], lw=0.6, label="measured")
+    bottom.plot(times, [1e3 * r.predicted_time for r in records], lw=0.6, alpha=0.8,
+                label="predicted")
+    slo = tbt_slo_ms or (1e3 * settings["tbt_slo"] if settings.get("tbt_slo") else None)
+    if slo:
+        bottom.axhline(slo, color="red", ls="--", lw=1, label=f"SLO {slo:.0f} ms")
+        margin = settings.get("tbt_slo_margin")
+        if margin:
+            bottom.axhline(slo * margin, color="orange", ls=":", lw=1,
+                           label=f"target (x {margin:g})")
+    bottom.set_ylabel("iteration time (ms)")
+    bottom.set_xlabel("seconds since the first iteration")
+    bottom.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _is_iteration_log(path: str) -> bool:
+    with open(path) as f:
+        first = f.readline()
+    return first.startswith('{"iteration_log"')
+
+
 def plot_all(paths: list[str], out_dir: str, tbt_slo_ms: float | None = None) -> list[str]:
     """Every plot the given files allow; returns the PNG paths written."""
     os.makedirs(out_dir, exist_ok=True)
     reports: dict[str, Report] = {}
     capacity: list[Report] = []
+    written = []
     for path in paths:
+        if _is_iteration_log(path):
+            name = os.path.splitext(os.path.basename(path))[0]
+            written.append(os.path.join(out_dir, f"budget_{name}.png"))
+            plot_budget(path, written[-1], tbt_slo_ms)
+            continue
         obj = load(path)
         if is_capacity(obj):
             capacity.append(obj)
         else:
             reports[_label(obj, path)] = obj
-    written = []
     if reports:
         slo = tbt_slo_ms or next((r.get("tbt_slo_ms") for r in reports.values()
                                   if r.get("tbt_slo_ms")), None)

@@ -40,8 +40,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
             import torch
 
             try:
+                sched = engine.config.scheduler
                 log.header(block_size=engine.config.cache.block_size,
-                           threads=torch.get_num_threads(), pipeline_depth=engine.executor.depth)
+                           threads=torch.get_num_threads(), pipeline_depth=engine.executor.depth,
+                           tbt_slo=sched.tbt_slo, tbt_slo_margin=sched.tbt_slo_margin)
             except OSError as err:  # e.g. a full disk: serve without the log
                 logging.getLogger("stallfree.server").error(
                     "cannot write the iteration log (%s); serving without it", err)
