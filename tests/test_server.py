@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -204,6 +205,47 @@ def test_32_concurrent_streams_match_each_alone(server, client, aclient_factory)
     together = asyncio.run(scenario())
     assert together == alone
     _settle(server)
+
+
+def test_streams_that_stay_get_every_token_in_order_while_others_hang_up(server, client):
+    """The engine-to-server handoff under load: 16 concurrent streams, 6 of which hang up at
+    random points; each of the other 10 must receive exactly its non-streamed text."""
+    rng = random.Random(7)
+    prompts = PROMPTS[:16]
+    leavers = dict(zip(rng.sample(range(16), 6), (rng.randint(1, 6) for _ in range(6))))
+    before = scrape(server.url)
+
+    async def scenario() -> dict[int, str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            async def one(i: int) -> str:
+                parts = []
+                # A leaver asks for many tokens, so it is still running when it hangs up.
+                length = {"max_tokens": 300, "ignore_eos": True} if i in leavers \
+                    else {"max_tokens": 10}
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": prompts[i], "stream": True, **length,
+                        **GREEDY}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        parts.append(json.loads(line[6:])["choices"][0]["text"])
+                        if len(parts) == leavers.get(i):
+                            break  # hang up mid-reply
+                return "".join(parts)
+
+            texts = await asyncio.gather(*(one(i) for i in range(16)))
+            return dict(enumerate(texts))
+
+    streamed = asyncio.run(scenario())
+    after = _settle(server)
+    assert after["stallfree:request_aborted_total"] - before["stallfree:request_aborted_total"] \
+        == len(leavers)
+    for i in range(16):
+        if i in leavers:
+            continue
+        alone = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, **GREEDY)
+        assert streamed[i] == alone.choices[0].text
 
 
 def test_10_disconnected_streams_are_aborted_and_free_their_blocks(server):
