@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_plan import attends_as_decode, decode_groups
-from . import chunk_attention
 from .paged_decode import paged_decode, usable
 
 
@@ -65,8 +64,7 @@ class AttentionMetadata:
     # Derived once per batch by `prepare()` and reused by every layer. Gathers copy
     # whole blocks (contiguous runs), not single slots.
     # Per chunk: the blocks covering its whole context and its causal mask, or None
-    # when the chunk has no cached prefix (it then attends to its own K/V directly);
-    # on CPU, the blocks of its cached prefix alone and no mask (chunk_attention.py).
+    # when the chunk has no cached prefix (it then attends to its own K/V directly).
     prefill_gather_blocks: list[torch.Tensor | None] | None = field(default=None, repr=False)
     prefill_masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
     # Decodes run in groups of similar context (stallfree/attention_plan.py), each padded
@@ -150,10 +148,6 @@ class AttentionMetadata:
                     self.prefill_gather_blocks.append(None)
                     self.prefill_masks.append(None)
                     continue
-                if chunk_attention.usable(table.device):  # the cached prefix's blocks only
-                    self.prefill_gather_blocks.append(table[:-(-(ctx - qlen) // bs)])
-                    self.prefill_masks.append(None)
-                    continue
                 self.prefill_gather_blocks.append(table[:-(-ctx // bs)])
                 # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
                 mask = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
@@ -195,8 +189,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outputs: list[torch.Tensor] = []
     row = 0
     for i, qlen in enumerate(meta.prefill_query_lens):
-        rows = slice(row, row + qlen)
-        outputs.append(_prefill_chunk(i, q[rows], k[rows], v[rows], kv_cache, meta, scale))
+        # [1, H, L, D] views for SDPA.
+        qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
+        blocks = meta.prefill_gather_blocks[i]
+        if blocks is None:
+            ki = k[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            ctx = meta.prefill_context_lens[i]
+            ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      for kv in meta.workspace.gather(kv_cache, blocks))
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i],
+                                                 scale=scale, enable_gqa=True)
+        outputs.append(out[0].transpose(0, 1))
         row += qlen
 
     num_decodes = q.shape[0] - row
@@ -215,29 +222,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             outputs.append(out)
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-
-
-def _prefill_chunk(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Chunk i's queries [L, Hq, D] (its own k, v [L, Hkv, D]) -> its output [L, Hq, D]."""
-    blocks = meta.prefill_gather_blocks[i]
-    if blocks is not None and meta.prefill_masks[i] is None:  # chunk_attention's split
-        cached = meta.prefill_context_lens[i] - q.shape[0]
-        kp, vp = (kv[:cached].to(q.dtype) for kv in meta.workspace.gather(kv_cache, blocks))
-        return chunk_attention.chunk_after_prefix(q, k, v, kp, vp, scale)
-    # [1, H, L, D] views for SDPA.
-    qi = q.transpose(0, 1).unsqueeze(0)
-    if blocks is None:  # no cached prefix: the chunk's own keys, causally
-        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                             enable_gqa=True)
-    else:
-        ctx = meta.prefill_context_lens[i]
-        ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                  for kv in meta.workspace.gather(kv_cache, blocks))
-        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i],
-                                             scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def call_cap_bytes_per_token(kv_cache: torch.Tensor) -> int:
