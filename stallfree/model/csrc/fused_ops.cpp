@@ -63,15 +63,6 @@ void add_rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t
   });
 }
 
-template <typename F>
-void dispatch_float_bf16(const at::Tensor& x, const char* op, F&& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: fn(static_cast<c10::BFloat16*>(nullptr)); break;
-    default: TORCH_CHECK(false, op, ": float32 or bfloat16 expected, got ", x.scalar_type());
-  }
-}
-
 // residual may be undefined (a plain norm); otherwise x is added into it in place.
 at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                      double eps) {

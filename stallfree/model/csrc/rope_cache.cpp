@@ -79,18 +79,13 @@ void rope_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "rope_cache: slot_mapping [T] int64 expected");
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  auto run = [&](auto* type_tag) {
+  dispatch_float_bf16(qkv, "rope_cache", [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     T* cache = kv_cache.data_ptr<T>();
     rope_cache_rows(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), cache,
                     cache + num_slots * kv_heads * dim, slot_mapping.data_ptr<int64_t>(),
                     tokens, heads, kv_heads, dim, num_slots);
-  };
-  switch (qkv.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    default: TORCH_CHECK(false, "rope_cache: float32 or bfloat16 expected, got ", qkv.scalar_type());
-  }
+  });
 }
 
 }  // namespace

@@ -20,12 +20,10 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
 constexpr int kRows = 4;  // rows of W per pass: 4 x kTokens accumulators stay in registers
 #ifdef __AVX512F__
 constexpr int kTokens = 4;  // 32 vector registers
@@ -34,9 +32,7 @@ constexpr int kTokens = 2;  // 16 (AVX2): a vf is two of them
 #endif
 
 inline vf widen16(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+  return load16(reinterpret_cast<const c10::BFloat16*>(p));
 }
 
 inline float widen(uint16_t v) {
@@ -44,12 +40,6 @@ inline float widen(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-inline float lane_sum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 // out[t][r] = sum_k x[t][k] * w[r][k] for R rows of w and T rows of x (fp32, widened).
@@ -73,7 +63,7 @@ void dot_block(const uint16_t* w, int64_t k_dim, const float* x, int64_t x_strid
   }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < T; ++t) {
-      float s = lane_sum(acc[r][t]);
+      float s = hsum(acc[r][t]);
       for (int64_t k = k_vec; k < k_dim; ++k) s += widen(w[r * k_dim + k]) * x[t * x_stride + k];
       out[t * out_stride + r] = c10::BFloat16(s);  // round to nearest even
     }

@@ -3,6 +3,7 @@
 // instruction set's intrinsics: one AVX-512 register, two AVX2 ones.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -122,6 +123,17 @@ inline vf in_dtype(vf v) {
     return v;
   else
     return round_bf16(v);
+}
+
+// fn(static_cast<T*>(nullptr)) for x's dtype T, float32 or bfloat16; `op` names the caller
+// in the error.
+template <typename F>
+void dispatch_float_bf16(const at::Tensor& x, const char* op, F&& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: fn(static_cast<c10::BFloat16*>(nullptr)); break;
+    default: TORCH_CHECK(false, op, ": float32 or bfloat16 expected, got ", x.scalar_type());
+  }
 }
 
 }  // namespace
