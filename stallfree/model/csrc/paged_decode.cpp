@@ -3,8 +3,8 @@
 // One query token per request against its context, read 16 tokens at a time straight from
 // the cache [2, num_blocks, block_size, Hkv, D] through the request's block table: no
 // gather into a dense buffer, no padding to the longest context. Online softmax in fp32;
-// bfloat16 and float16 caches are widened to fp32 once per KV head as they are read, and
-// the query heads of a GQA group reuse those rows from L1. The next 16 tokens' rows are
+// bfloat16 and float16 rows are widened to fp32 in registers where they are used, the
+// query heads of a GQA group reading the same rows from L1. The next 16 tokens' rows are
 // prefetched while the current ones compute, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
@@ -29,40 +29,6 @@
 
 namespace {
 
-// The lane sums of 16 vectors, in order, as one vector: a transpose-and-add tree that
-// costs 45 operations where 16 separate horizontal sums would cost about 160.
-inline vf hsum16(const vf* a) {
-  vf r[8], s[4], u[2];
-  for (int i = 0; i < 8; ++i)  // [a_2i: 8 partial sums | a_2i+1: 8]
-    r[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // four vectors, 4 partial sums each
-    s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
-                                   23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)  // eight vectors, 2 partial sums each
-    u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
-                                   23, 26, 27, 30, 31);
-  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-
-inline float hmax(vf a) {
-  vf8 x = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
-  vf8 y = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  x = x > y ? x : y;
-  float m = x[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, x[i]);
-  return m;
-}
-
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, num_blocks, max_blocks;
 };
@@ -79,44 +45,64 @@ struct Partial {
   float* acc;
 };
 
+// How a row is held in vectors. A bf16 row is widened by splitting each 32-bit word into
+// its two halves (one shift, one mask: no shuffle), so its vectors hold the even and the odd
+// dims of 32 consecutive ones; other dtypes are held in order. The query and the output are
+// held in the same order, so a dot product or a weighted sum never needs the row reordered.
+template <typename T, int C>
+constexpr bool kSplit = std::is_same_v<T, c10::BFloat16> && C % 2 == 0;
+
+template <typename T, int C>
+inline int64_t dim_of(int c, int lane) {  // the dim a held lane stands for
+  if constexpr (kSplit<T, C>)
+    return (c / 2) * 2 * kLanes + 2 * lane + c % 2;
+  else
+    return c * kLanes + lane;
+}
+
+template <typename T, int C>
+inline void load_row(const T* p, vf* out) {
+  if constexpr (kSplit<T, C>) {
+    for (int c = 0; c < C; c += 2) {
+      vu u;
+      std::memcpy(&u, p + c * kLanes, sizeof u);
+      out[c] = reinterpret_cast<vf>(u << 16);
+      out[c + 1] = reinterpret_cast<vf>(u & 0xffff0000u);
+    }
+  } else {
+    for (int c = 0; c < C; ++c) out[c] = load16(p + c * kLanes);
+  }
+}
+
 // Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
 // C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
-// A narrower cache is widened once per KV head into `buf`, not once per query head.
+// Rows are widened where they are used, once per query head: from L1 after the first, a
+// shift and a mask per vector cost less than a round trip through a buffer. The next
+// tile's rows (`next`) are asked for one KV head at a time, between the work, so the
+// requests do not queue up behind each other at the tile's start.
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
-                 int n, const Partial& out, vf* buf) {
-  constexpr bool wide = std::is_same_v<T, float>;
+                 int n, const Partial& out, const int64_t* next, int n_next) {
   const int64_t group = s.heads / s.kv_heads;
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
-    // Each token's K and V row of this KV head, as fp32 in place or widened into `buf`.
-    const float* kr[kLanes];
-    const float* vr[kLanes];
     const int64_t head = kv * C * kLanes;
-    for (int j = 0; j < kLanes; ++j) {
-      if constexpr (wide) {
-        kr[j] = k + rows[j] + head;
-        vr[j] = v + rows[j] + head;
-      } else {
-        vf* kb = buf + j * C;
-        vf* vb = buf + (kLanes + j) * C;
-        for (int c = 0; c < C; ++c) {
-          kb[c] = load16(k + rows[j] + head + c * kLanes);
-          vb[c] = load16(v + rows[j] + head + c * kLanes);
-        }
-        kr[j] = reinterpret_cast<const float*>(kb);
-        vr[j] = reinterpret_cast<const float*>(vb);
+    for (int j = 0; j < n_next; ++j)
+      for (int64_t b = 0; b < C * kLanes * int64_t(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + next[j] + head) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + next[j] + head) + b);
       }
-    }
     for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
       const vf* qh = q + h * C;
       vf a[kLanes];
 #pragma GCC unroll 16
       for (int j = 0; j < kLanes; ++j) {
-        a[j] = qh[0] * load16(kr[j]);
-        for (int c = 1; c < C; ++c) a[j] += qh[c] * load16(kr[j] + c * kLanes);
+        vf kr[C];
+        load_row<T, C>(k + rows[j] + head, kr);
+        a[j] = qh[0] * kr[0];
+        for (int c = 1; c < C; ++c) a[j] += qh[c] * kr[c];
       }
       const vf scores = lane < n ? hsum16(a) : minus_inf;
       const float m = std::max(out.max[h], hmax(scores));
@@ -130,8 +116,11 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
       }
       const vf p = lane < n ? exp_nonpositive(scores - m) : vf{};
       out.sum[h] += hsum(p);
-      for (int j = 0; j < n; ++j)
-        for (int c = 0; c < C; ++c) acc[c] += p[j] * load16(vr[j] + c * kLanes);
+      for (int j = 0; j < n; ++j) {
+        vf vr[C];
+        load_row<T, C>(v + rows[j] + head, vr);
+        for (int c = 0; c < C; ++c) acc[c] += p[j] * vr[c];
+      }
       std::memcpy(out.acc + h * C * kLanes, acc, sizeof acc);
     }
   }
@@ -139,7 +128,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
 
 template <typename T, int C>
 void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
-            const int64_t* table, const Item& item, const Partial& out, vf* buf) {
+            const int64_t* table, const Item& item, const Partial& out) {
   const int64_t H = s.heads, bs = s.block_size, row_len = s.kv_heads * C * kLanes;
   std::fill(out.max, out.max + H, -std::numeric_limits<float>::infinity());
   std::fill(out.sum, out.sum + H, 0.f);
@@ -157,18 +146,14 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
   };
   int64_t rows[2][kLanes];
   int n = offsets(item.begin, rows[0]);
-  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes, i ^= 1) {
-    // Blocks lie anywhere in the cache: ask for the next tile's rows while this one computes.
-    int next = 0;
-    if (start + kLanes < item.end) {
-      next = offsets(start + kLanes, rows[i ^ 1]);
-      for (int j = 0; j < next; ++j)
-        for (int64_t b = 0; b < row_len * int64_t(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[i ^ 1][j]) + b);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[i ^ 1][j]) + b);
-        }
+  for (int j = 0; j < n; ++j)  // the first tile's rows; attend_tile asks for each next one's
+    for (int64_t b = 0; b < row_len * int64_t(sizeof(T)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[0][j]) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[0][j]) + b);
     }
-    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], n, out, buf);
+  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes, i ^= 1) {
+    const int next = start + kLanes < item.end ? offsets(start + kLanes, rows[i ^ 1]) : 0;
+    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], n, out, rows[i ^ 1], next);
     n = next;
   }
 }
@@ -226,14 +211,16 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
     for (++th; th < threads; ++th) first[th] = n;
   }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<vf> qv(H * C), buf(2 * kLanes * C);
+    std::vector<vf> qv(H * C);
     for (int64_t th = t0; th < t1; ++th) {
       for (int64_t i = first[th]; i < first[th + 1]; ++i) {
         const Item& it = items[i];
         for (int64_t h = 0; h < H; ++h)
-          std::memcpy(qv.data() + h * C, q + it.row * q_row + h * q_head, D * 4);
+          for (int c = 0; c < C; ++c)
+            for (int l = 0; l < kLanes; ++l)
+              qv[h * C + c][l] = q[it.row * q_row + h * q_head + dim_of<T, C>(c, l)];
         attend<T, C>(s, qv.data(), k_cache, v_cache, tables + it.row * s.max_blocks, it,
-                     partial(i), buf.data());
+                     partial(i));
       }
     }
   });
@@ -243,6 +230,7 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
   for (int64_t r = 0; r < rows; ++r) row_first[r + 1] += row_first[r];
   // On the calling thread: a few floats per query head and part (~2% of the attention's
   // reads), where a second parallel region would add a barrier.
+  std::vector<float> held(D);  // one head's output in held order
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + r * H * D;
     const int64_t a = row_first[r], b = row_first[r + 1];
@@ -254,17 +242,18 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t i = a; i < b; ++i) m = std::max(m, partial(i).max[h]);
       float total = 0.f;
-      float* oh = o + h * D;
-      std::fill(oh, oh + D, 0.f);
+      std::fill(held.begin(), held.end(), 0.f);
       for (int64_t i = a; i < b; ++i) {
         const Partial p = partial(i);
         const float w = std::exp(p.max[h] - m);
         total += w * p.sum[h];
         const float* acc = p.acc + h * D;
-        for (int64_t d = 0; d < D; ++d) oh[d] += w * acc[d];
+        for (int64_t d = 0; d < D; ++d) held[d] += w * acc[d];
       }
       const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+      float* oh = o + h * D;
+      for (int c = 0; c < C; ++c)
+        for (int l = 0; l < kLanes; ++l) oh[dim_of<T, C>(c, l)] = held[c * kLanes + l] * inv;
     }
   }
 }
