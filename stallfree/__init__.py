@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .sampling_params import SamplingParams
+from . import huge_pages
+
+huge_pages.request_for_torch()  # before torch loads: it reads the switch only then
+
+from .sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from .llm import LLM

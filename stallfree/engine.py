@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import huge_pages
 from .config import (
     CacheConfig,
     EngineConfig,
@@ -100,7 +101,7 @@ class LLMEngine:
             probe = (result.fast, result.reason)
         dtype_name, why = resolve_dtype(config.dtype, self.device.type, probe)
         logger.info("dtype %s (%s); %d compute threads", dtype_name, why, threads)
-        self.info = EngineInfo(self.device.type, dtype_name, why, threads)
+        self.info = EngineInfo(self.device.type, dtype_name, why, threads, huge_pages.status())
         self.dtype = getattr(torch, dtype_name)
         self.executor, self.model_config = make_executor(config, self.device, dtype_name)
         self.tokenizer = load_tokenizer(config.model)
@@ -111,6 +112,10 @@ class LLMEngine:
         self._in_flight: deque[_Flight] = deque()
         self.scheduler = None
         self.reconfigure(config.scheduler, config.cache)
+        if self.device.type == "cpu":
+            mib = huge_pages.huge_page_mib()
+            logger.info("huge pages %s%s", self.info.huge_pages,
+                        "" if mib is None else f"; {mib:.0f} MiB of this process in them")
 
     def reconfigure(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         """Swaps policy, limits or KV size without reloading weights (when idle)."""

@@ -147,3 +147,4 @@ class EngineInfo:
     dtype: str
     dtype_reason: str  # "given", or what the auto choice measured
     threads: int  # compute threads per process
+    huge_pages: str = "unknown"  # whether torch's big buffers get 2 MiB pages, and why

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from stallfree import huge_pages
+
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stallfree", *args], capture_output=True,
@@ -24,6 +26,9 @@ def test_generate_json_lines():
         assert len(row["token_ids"]) == 6 and len(row["tbt"]) == 5 and row["ttft"] > 0
         # The default dtype is auto: the machine's choice, and why, are reported.
         assert row["dtype"] in ("float32", "bfloat16") and row["dtype_reason"].startswith("auto")
+        # So is whether torch's big buffers got huge pages (the CLI imports stallfree first).
+        on = huge_pages.thp_mode() in ("always", "madvise")
+        assert row["huge_pages"].startswith("on" if on else "off"), row["huge_pages"]
 
 
 def test_bad_flag_value_is_a_clear_error():

@@ -21,7 +21,7 @@ TESTS = Path(__file__).parent
 # from any layer below its own; `__init__` is stallfree/__init__.py.
 LAYERS = (
     ("foundation", "config sampling_params request outputs attention_plan detokenizer "
-                   "iteration_log data structured_outputs"),
+                   "iteration_log data structured_outputs huge_pages"),
     ("core", "scheduler model request_group"),  # scheduler: pure Python (test_scheduler.py)
     ("execution", "executor distributed structured"),  # structured: xgrammar matchers
     ("engine", "engine"),

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
                 "ttft": out.ttft, "tbt": out.tbt,
                 "scheduling_delay": (out.first_scheduled_time - out.arrival_time
                                      if out.first_scheduled_time else None),
-                "dtype": info.dtype, "dtype_reason": info.dtype_reason}))
+                "dtype": info.dtype, "dtype_reason": info.dtype_reason,
+                "huge_pages": info.huge_pages}))
         else:
             print(f"--- {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens, "
                   f"TTFT {out.ttft:.3f}s]")

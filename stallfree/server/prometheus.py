@@ -91,7 +91,8 @@ class ServerMetrics:
                                        "Times failed workers were restarted (requests recomputed).")
         self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._engine_info = Info("stallfree:engine", "How the engine runs: device, dtype (and "
-                                 "why auto chose it), compute threads.", registry=registry)
+                                 "why auto chose it), compute threads, huge pages.",
+                                 registry=registry)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """The engine's load gauges, and what its cumulative prefix-cache counts added."""
@@ -112,7 +113,7 @@ class ServerMetrics:
     def set_engine_info(self, info: EngineInfo) -> None:
         self._engine_info.info({"model_name": self.model_name, "device": info.device,
                                 "dtype": info.dtype, "dtype_reason": info.dtype_reason,
-                                "threads": str(info.threads)})
+                                "threads": str(info.threads), "huge_pages": info.huge_pages})
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Latencies of a finished request (engine monotonic times)."""
