@@ -10,9 +10,9 @@ work predicted to fit within `tbt_slo x tbt_slo_margin`:
   time still fits (`largest_fit`), with `token_budget` (--max-num-batched-tokens) as an
   upper cap; within that, the count with the lowest predicted time per prefill token
   (`most_efficient`), unless the rest of the prompt fits whole. Filling the iteration
-  to the target maximises tokens per iteration, not per second: where a prefill token
-  costs more in a larger chunk (attention over the chunk, on GPUs), the largest chunk
-  that fits spends more device time on the same work;
+  to the target maximises tokens per iteration, not per second, and on GPU profiles a
+  prefill token costs more in a larger chunk; the linear model sees little of that,
+  so there the choice stays near the largest fit (docs/simulation.md, issue 16);
 - a waiting request is admitted only if the decode batch it joins (every running
   request plus it, each at its current length) is predicted to fit, so admission
   does not build a decode batch the SLO cannot carry. With nothing running a
