@@ -2,7 +2,7 @@
 that reads the paged cache in place.
 
 Run: .venv/bin/python benchmarks/decode_attention.py [--threads 1 2] [--dtype float32 bfloat16]
-     [--flex] [--quick] [--history]
+     [--flex] [--quick] [--history] [--baseline-rev REV] [--huge-pages-ab]
 
 Default model's shapes (9 query heads, 3 KV heads x 64, block size 16), a 1 GiB KV cache
 of random values (30 layers) with each request's blocks scattered through it; batches of
@@ -15,6 +15,10 @@ on a shared machine hits them alike):
   flex     --flex: torch's flex_attention compiled for CPU, the cache as one long K/V with
            a block mask from the block tables (compiled once, dynamic shapes; timing only,
            see flex_variant)
+  op       with either option below: the kernel's op called alone (no K/V write, no Python)
+  baseline --baseline-rev REV: the op as it was at git revision REV, built beside it
+  4k-pages --huge-pages-ab: the op on a copy of the cache advised against huge pages, so
+           `op` (advised for them) vs `4k-pages` is what 2 MiB pages buy
 With --history, the gather path's earlier steps too (fresh: a new gather tensor per call,
 one call padded to the longest; buffer: into the reused buffer; groups: + length groups).
 Prints median milliseconds per layer: CPU time with one thread (robust to other load),
@@ -23,12 +27,16 @@ wall time with more (CPU time would count every thread).
 from __future__ import annotations
 
 import argparse
+import mmap
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -90,6 +98,46 @@ class Case:
                 paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
                                 self.heads[2] ** -0.5)
 
+    def op(self, namespace: str = "stallfree", cache: torch.Tensor | None = None) -> None:
+        """The kernel's op alone, reading the cache (no new K/V written, no Python around
+        it): how --baseline-rev and --huge-pages-ab compare like with like."""
+        cache = self.cache if cache is None else cache
+        fn = getattr(torch.ops, namespace).paged_decode
+        tables, lens = self.meta.decode_block_tables, self.meta.decode_context_lens
+        for i in range(self.layers):
+            fn(self.q, cache[i], tables, lens, self.heads[2] ** -0.5, -1)
+
+
+def build_baseline(rev: str) -> None:
+    """Builds the kernel as it was at git revision `rev` (its source and the header it
+    includes) as op namespace stallfree_baseline."""
+    from torch.utils.cpp_extension import load
+
+    from stallfree.model.kernels import CFLAGS
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("paged_decode.cpp", "vec.h"):
+        shown = subprocess.run(["git", "show", f"{rev}:stallfree/model/csrc/{name}"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent)
+        if shown.returncode == 0:  # older revisions had no vec.h
+            text = shown.stdout.replace("TORCH_LIBRARY(stallfree,", "TORCH_LIBRARY("
+                                        "stallfree_baseline,")
+            text = text.replace("TORCH_LIBRARY_IMPL(stallfree,",
+                                "TORCH_LIBRARY_IMPL(stallfree_baseline,")
+            (folder / name).write_text(text)
+        elif name.endswith(".cpp"):
+            raise SystemExit(f"git show {rev}: {shown.stderr.strip()}")
+    load(name="paged_decode_baseline", sources=[str(folder / "paged_decode.cpp")],
+         extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False)
+
+
+def cache_in_pages(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    """Random cache values in anonymous memory advised for (or against) 2 MiB pages."""
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape).normal_()  # keeps buf alive
+
 
 def flex_variant(case: Case) -> Callable[[], None]:
     """flex_attention over the cache seen as one sequence of num_blocks * BLOCK keys; each
@@ -145,20 +193,35 @@ def main() -> None:
     ap.add_argument("--flex", action="store_true", help="flex_attention compiled for CPU too")
     ap.add_argument("--history", action="store_true", help="the gather path's earlier steps")
     ap.add_argument("--quick", action="store_true", help="two batches, three rounds")
+    ap.add_argument("--baseline-rev", metavar="REV",
+                    help="a git revision whose kernel is timed beside this one")
+    ap.add_argument("--huge-pages-ab", action="store_true",
+                    help="the kernel on a cache in 4 KiB pages too")
     args = ap.parse_args()
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"the kernel is not available: {reason}")
+    if args.baseline_rev:
+        build_baseline(args.baseline_rev)
     cfg = load_model_config(default_model_path())
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     layers, rounds = cfg.num_hidden_layers, 3 if args.quick else 7
     shapes = [(b, kind) for b in BATCHES for kind in ("512", "1024", "mixed")]
     if args.quick:
         shapes = [(8, "mixed"), (32, "512")]
+    # Each as (its time / the time of what it is compared with): > 1 means the latter is faster.
+    versus = {"gather": "kernel", "flex": "kernel", "baseline": "op", "4k-pages": "op"}
+    others = ((["op"] if args.baseline_rev or args.huge_pages_ab else [])
+              + (["baseline"] if args.baseline_rev else [])
+              + (["4k-pages"] if args.huge_pages_ab else []) + (["flex"] if args.flex else []))
+    ratios = ["gather"] + [n for n in others if n in versus]
     for dtype in map(lambda name: getattr(torch, name), args.dtype):
         per_block = 2 * layers * BLOCK * heads[1] * heads[2] * dtype.itemsize
-        cache = torch.empty(layers, 2, (1 << 30) // per_block, BLOCK, heads[1], heads[2],
-                            dtype=dtype).normal_()  # real pages: zeros would all be one
+        # Random values, so that pages are real (zeros would all be one); in 2 MiB pages, as
+        # the engine's cache is where THP allows (stallfree/huge_pages.py).
+        shape = (layers, 2, (1 << 30) // per_block, BLOCK, heads[1], heads[2])
+        cache = cache_in_pages(shape, dtype, huge=True)
+        small_pages = cache_in_pages(shape, dtype, huge=False) if args.huge_pages_ab else None
         for threads in args.threads:
             torch.set_num_threads(threads)
             rng = random.Random(0)
@@ -167,10 +230,10 @@ def main() -> None:
                   f"{'CPU' if threads == 1 else 'wall'} time)")
             names = (["fresh", "buffer", "groups"] if args.history else []) + ["gather",
                                                                               "kernel"]
-            names += ["flex"] if args.flex else []
-            print("| decodes | contexts | mean | " + " | ".join(names)
-                  + " | kernel vs gather |" + (" flex vs kernel |" if args.flex else ""))
-            print("|---" * (3 + len(names) + 1 + args.flex) + "|")
+            names += others
+            print("| decodes | contexts | mean | " + " | ".join(names) + " |"
+                  + "".join(f" {n} / {versus[n]} |" for n in ratios))
+            print("|---" * (3 + len(names) + len(ratios)) + "|")
             for batch, kind in shapes:
                 lens = contexts(batch, kind, rng)
                 case = Case(lens, cache, heads, rng)
@@ -183,17 +246,21 @@ def main() -> None:
                                                  partial(case.torch_path, fresh))
                 variants["gather"] = case.torch_path
                 variants["kernel"] = case.kernel
+                if "op" in others:
+                    variants["op"] = case.op
+                if args.baseline_rev:
+                    variants["baseline"] = partial(case.op, "stallfree_baseline")
+                if small_pages is not None:
+                    variants["4k-pages"] = partial(case.op, cache=small_pages)
                 if args.flex:
                     variants["flex"] = flex_variant(case)
                 ms = {k: v * 1e3 / layers for k, v in measure(variants, rounds,
                                                                threads).items()}
-                row = (f"| {batch} | {kind} | {sum(lens) / len(lens):.0f} | "
-                       + " | ".join(f"{ms[n]:.3f}" for n in names)
-                       + f" | {ms['gather'] / ms['kernel']:.2f}x |")
-                if args.flex:
-                    row += f" {ms['flex'] / ms['kernel']:.2f}x |"
-                print(row, flush=True)
-        del cache
+                print(f"| {batch} | {kind} | {sum(lens) / len(lens):.0f} | "
+                      + " | ".join(f"{ms[n]:.3f}" for n in names)
+                      + "".join(f" | {ms[n] / ms[versus[n]]:.2f}x" for n in ratios)
+                      + " |", flush=True)
+        del cache, small_pages
 
 
 def _with_rule(factor: float, cap: int, fn: Callable[[], None]) -> None:
