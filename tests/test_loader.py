@@ -86,6 +86,27 @@ def test_default_tokenizer(tokenizer, default_model):
     assert tokenizer.eos_token_id in eos and config.eos_token_id in eos
 
 
+def test_a_gguf_tokenizer_is_rebuilt_once_then_loaded_from_its_cache(tmp_path, monkeypatch):
+    """The first load parses the GGUF and saves a tokenizer directory; the next loads that,
+    and tokenizes, templates and decodes exactly as the rebuilt one."""
+    monkeypatch.setenv("STALLFREE_BUILD_DIR", str(tmp_path))
+    rebuilt = load_tokenizer(None)
+    saved = list((tmp_path / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").exists()
+    cached = load_tokenizer(None)
+    assert list((tmp_path / "tokenizers").iterdir()) == saved  # loaded, not written again
+    texts = [PROMPT, "def f(x):\n    return x**2  # \u00fcn\u00efc\u00f8d\u00e9 \u4f60\u597d",
+             "  two  spaces\t\ttabs", "<|im_start|>user"]
+    for text in texts:
+        assert cached.encode(text) == rebuilt.encode(text), text
+        assert cached.decode(cached.encode(text)) == rebuilt.decode(rebuilt.encode(text))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == rebuilt.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (
+        rebuilt.eos_token_id, rebuilt.bos_token_id, len(rebuilt))
+
+
 # ------------------------------------------------------------------ hand-written GGUF
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 4, 2, 16, 96, 64
