@@ -164,11 +164,25 @@ def _write_gguf(path, arch: str = "llama") -> dict[str, tuple[np.ndarray, object
     return stored
 
 
-def test_gguf_quant_types_load_exactly(tmp_path):
+@pytest.mark.parametrize("metadata", ["parsed", "from its index"])
+def test_gguf_quant_types_load_exactly(tmp_path, monkeypatch, metadata):
+    """Parsed by gguf's reader, or mapped from the offsets a first parse saved (the reader
+    then never runs): every tensor loads exactly."""
+    import gguf
     from gguf.quants import dequantize
 
+    from stallfree.model import gguf_index
+
+    monkeypatch.setattr(gguf_index, "build_dir", lambda: tmp_path / "build")
     path = tmp_path / "tiny.gguf"
     stored = _write_gguf(path)
+    if metadata == "from its index":
+        gguf_index.read_gguf(str(path))
+        assert len(list((tmp_path / "build" / "gguf").glob("*.json"))) == 1
+
+        def no_parse(*args, **kwargs):
+            raise AssertionError("the GGUF was parsed again")
+        monkeypatch.setattr(gguf, "GGUFReader", no_parse)
     model, config = load_model(str(path), torch.float32, "cpu")
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim) \
         == (HIDDEN, KV_HEADS, HEAD_DIM)

@@ -46,9 +46,10 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
-    """(HF name, fetch) per tensor; a tensor is dequantised only if it is fetched."""
-    for t in reader.tensors:
+def gguf_tensors(tensors, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
+    """(HF name, fetch) per tensor (a gguf reader's, or their saved index's); a tensor is
+    dequantised only if it is fetched."""
+    for t in tensors:
         name = _gguf_to_hf_name(t.name)
         if name is not None:
             yield name, slicer(lambda t=t, name=name: _gguf_dequantize(t, name, config))

@@ -10,6 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .gguf import gguf_tensors
+from .gguf_index import read_gguf
 from .llama import LlamaForCausalLM
 from .parallel import Shard
 from .weights import Fetch, WeightFiller
@@ -51,8 +52,7 @@ def load_model_config(path: str | None) -> ModelConfig:
     path, is_dir = _resolve(path)
     if is_dir:
         return _hf_config(path)
-    from gguf import GGUFReader
-    return ModelConfig.from_gguf(GGUFReader(path))
+    return read_gguf(path)[0]
 
 
 def _resolve(path: str | None) -> tuple[str, bool]:
@@ -153,13 +153,10 @@ def _as_set(value: int | list[int] | None) -> set[int]:
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
                shard: Shard) -> tuple[LlamaForCausalLM, ModelConfig]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    config = ModelConfig.from_gguf(reader)
+    config, tensors = read_gguf(path)
     model = _empty_model(config, dtype, device, shard)
     filler = WeightFiller(model)
-    for name, fetch in gguf_tensors(reader, config):
+    for name, fetch in gguf_tensors(tensors, config):
         filler.load(name, fetch)
     filler.check_complete()
     return model, config
