@@ -150,8 +150,12 @@ class AttentionMetadata:
                     continue
                 self.prefill_gather_blocks.append(table[:-(-ctx // bs)])
                 # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
-                mask = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
-                self.prefill_masks.append(mask.tril(diagonal=ctx - qlen))
+                # Additive, once: SDPA turns a boolean mask into this at every layer's call.
+                causal = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
+                causal = causal.tril(diagonal=ctx - qlen)
+                self.prefill_masks.append(torch.zeros(qlen, ctx, dtype=kv_cache.dtype,
+                                                      device=table.device)
+                                          .masked_fill_(~causal, float("-inf")))
         if self.decode_plan is None and not usable(kv_cache):
             self.decode_plan = []
             lens = self.decode_context_lens.tolist()
@@ -201,7 +205,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ctx = meta.prefill_context_lens[i]
             ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
                       for kv in meta.workspace.gather(kv_cache, blocks))
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i],
+            mask = meta.prefill_masks[i]
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask.to(q.dtype),
                                                  scale=scale, enable_gqa=True)
         outputs.append(out[0].transpose(0, 1))
         row += qlen
