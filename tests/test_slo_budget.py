@@ -23,7 +23,7 @@ from stallfree.config import (
 from stallfree.request import RequestStatus
 from stallfree.scheduler import BlockManager, OnlineCost, make_scheduler
 from stallfree.scheduler.cost_fit import FEATURES, BatchFeatures, fit_least_squares
-from stallfree.scheduler.slo_sarathi import SloSarathiScheduler, largest_fit, most_efficient
+from stallfree.scheduler.slo_sarathi import SloSarathiScheduler
 
 # fixed, per prefill token, per attention pair, per decode, per decode context token
 TRUE = (0.004, 2e-5, 3e-8, 3e-4, 2e-7)
@@ -103,87 +103,6 @@ def test_online_fit_follows_drift():
         f = random_features(rng)
         cost.observe(f, executor.time(f))
     assert_close(cost.coefficients, slower)
-
-
-# ---- the chunk size: the most efficient within the largest that fits ---------------------
-# Each coefficient 0 or TRUE's times 1e-3..1e3: GPU-like (a prefill token costs more in
-# a larger chunk) and CPU-like shapes, flat curves (only a per-token cost) included.
-coefficient = st.one_of(st.just(0.0), st.floats(1e-3, 1e3))
-coefficients = st.tuples(*(coefficient.map(lambda f, t=t: f * t) for t in TRUE))
-# The batch the chunk joins: (start, tokens) per chunk, one-token chunks as decodes.
-base_chunks = st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 512)), max_size=8)
-
-
-def per_token(cost: OnlineCost, base: BatchFeatures, start: int, n: int) -> float:
-    return cost.predict(base.with_chunk(start, n)) / (base.prefill_tokens + n)
-
-
-def brute_force_most_efficient(cost, base, start, fit) -> int:
-    """The lowest predicted time per prefill token over 1..fit, the largest on a tie."""
-    return min(range(1, fit + 1), key=lambda n: (per_token(cost, base, start, n), -n))
-
-
-@settings(max_examples=150, deadline=None)
-@given(coefficients=coefficients, chunks=base_chunks, start=st.integers(0, 6000),
-       fit=st.integers(0, 2500))
-def test_most_efficient_is_the_brute_force_minimum(coefficients, chunks, start, fit):
-    cost, base = OnlineCost(coefficients), BatchFeatures.of_chunks(chunks)
-    got = most_efficient(cost, base, start, fit)
-    if fit == 0:
-        assert got == 0
-        return
-    best = brute_force_most_efficient(cost, base, start, fit)
-    # The same count, or one as cheap per token up to rounding (a near-flat curve).
-    assert got == best or per_token(cost, base, start, got) == pytest.approx(
-        per_token(cost, base, start, best), rel=1e-9)
-
-
-@settings(max_examples=150, deadline=None)
-@given(coefficients=coefficients, chunks=base_chunks, start=st.integers(0, 6000),
-       cap=st.integers(0, 8192), target=st.floats(1e-4, 2.0))
-def test_most_efficient_stays_within_the_largest_fit(coefficients, chunks, start, cap,
-                                                     target):
-    cost, base = OnlineCost(coefficients), BatchFeatures.of_chunks(chunks)
-    fit = largest_fit(cost, base, start, cap, target)
-    got = most_efficient(cost, base, start, fit)
-    assert 0 <= got <= fit and (got >= 1) == (fit >= 1)
-    if fit:  # so the iteration's predicted time is still within the target
-        assert cost.predict(base.with_chunk(start, got)) <= target
-
-
-@settings(max_examples=100, deadline=None)
-@given(coefficients=coefficients, chunks=base_chunks, start=st.integers(0, 6000),
-       fit=st.integers(2, 8192))
-def test_most_efficient_is_fit_where_larger_chunks_cost_less_per_token(coefficients, chunks,
-                                                                         start, fit):
-    # Without an attention cost (about so on a CPU, where a chunk's tokens cost the same
-    # whatever its size) the fixed and decode costs spread over more tokens: the
-    # largest chunk is the cheapest per token, or as cheap on a flat curve. Only a
-    # one-token chunk, run as a decode, can beat it, where decodes cost next to nothing.
-    cost = OnlineCost(coefficients[:2] + (0.0,) + coefficients[3:])
-    base = BatchFeatures.of_chunks(chunks)
-    got = most_efficient(cost, base, start, fit)
-    assert got == fit or (
-        got == 1 and per_token(cost, base, start, 1) < per_token(cost, base, start, fit))
-    cpu_like = OnlineCost(TRUE[:2] + (0.0,) + TRUE[3:])
-    assert most_efficient(cpu_like, base, start, fit) == fit
-
-
-@pytest.mark.parametrize("chunks", [[], [(0, 100)], [(700, 3), (0, 512)]])
-@pytest.mark.parametrize("fit", [2, 3, 1000, 4097, 8192])
-def test_a_flat_curve_takes_the_largest_chunk(chunks, fit):
-    # Only a per-token cost (a decode dearer): every count from 2 on costs the same per
-    # token, up to the rounding that the search must not follow.
-    cost = OnlineCost((0.0, 3e-5, 0.0, 1e-3, 0.0))
-    assert most_efficient(cost, BatchFeatures.of_chunks(chunks), 1234, fit) == fit
-
-
-def test_a_one_token_chunk_is_taken_only_when_cheaper_per_token():
-    # A decode costs nothing here while two prefill tokens cost the fixed time and more.
-    cost = OnlineCost((0.0, 1e-3, 0.0, 0.0, 0.0))
-    assert most_efficient(cost, BatchFeatures(), 100, 2) == 1
-    cost = OnlineCost((0.0, 1e-3, 0.0, 1.0, 0.0))  # a decode dearer than a chunk
-    assert most_efficient(cost, BatchFeatures(), 100, 2) == 2
 
 
 # ---- the scheduler under an SLO -----------------------------------------------------
@@ -278,28 +197,6 @@ def test_admission_stops_the_decode_batch_at_the_slo():
     assert max(counts) == counts[-1] == 9
     assert sched.num_waiting == 31
     assert all(r.status is RequestStatus.RUNNING for r in sched.running)
-
-
-def test_the_scheduler_takes_the_most_efficient_chunk_not_the_largest():
-    # TRUE's attention cost makes ~500 tokens the cheapest per token from scratch, while
-    # 0.05 s x 0.8 fits about 1000: a long prompt gets the efficient chunk...
-    sched = slo_scheduler(0.05)
-    sched.add_request(make_request("long", 2000, max_tokens=4))
-    out = sched.schedule(0.0)
-    fit = largest_fit(sched.cost, BatchFeatures(), 0, 2000, sched.target)
-    efficient = brute_force_most_efficient(sched.cost, BatchFeatures(), 0, fit)
-    assert efficient < fit
-    assert out.num_batched_tokens == efficient
-    # ... a prompt whose whole rest fits goes whole, as it would without the choice ...
-    sched = slo_scheduler(0.05)
-    sched.add_request(make_request("short", 900, max_tokens=4))
-    assert sched.schedule(0.0).num_batched_tokens == 900
-    # ... and where larger chunks are cheaper per token, the largest that fits.
-    sched = slo_scheduler(0.05, OnlineCost(TRUE[:2] + (0.0,) + TRUE[3:]))
-    sched.add_request(make_request("long", 2000, max_tokens=4))
-    out = sched.schedule(0.0)
-    assert out.num_batched_tokens == largest_fit(sched.cost, BatchFeatures(), 0, 2000,
-                                                 sched.target)
 
 
 def test_the_budget_is_capped_by_max_num_batched_tokens():

@@ -6,13 +6,8 @@ work predicted to fit within `tbt_slo x tbt_slo_margin`:
 
 - every running decode is kept, as in plain sarathi (stall-free: a decode is never
   dropped to make room, even when the decodes alone overrun the target);
-- each prefill chunk gets at most the largest token count whose predicted iteration
-  time still fits (`largest_fit`), with `token_budget` (--max-num-batched-tokens) as an
-  upper cap; within that, the count with the lowest predicted time per prefill token
-  (`most_efficient`), unless the rest of the prompt fits whole. Filling the iteration
-  to the target maximises tokens per iteration, not per second, and on GPU profiles a
-  prefill token costs more in a larger chunk; the linear model sees little of that,
-  so there the choice stays near the largest fit (docs/simulation.md, issue 16);
+- each prefill chunk gets the largest token count whose predicted iteration time
+  still fits, with `token_budget` (--max-num-batched-tokens) as an upper cap;
 - a waiting request is admitted only if the decode batch it joins (every running
   request plus it, each at its current length) is predicted to fit, so admission
   does not build a decode batch the SLO cannot carry. With nothing running a
@@ -31,11 +26,6 @@ from .kv_cache import BlockManager
 from .output import SchedulerOutput
 from .prefix_cache import PrefixHit
 from .sarathi import SarathiScheduler
-
-# Relative difference in predicted time per token below which two chunks are equally
-# efficient: far above the rounding of a prediction (a sum of five terms, ~1e-16) and
-# far below anything a cost model can tell apart.
-_TIE = 1e-12
 
 
 def largest_fit(cost: OnlineCost, base: BatchFeatures, start: int, cap: int,
@@ -60,44 +50,6 @@ def largest_fit(cost: OnlineCost, base: BatchFeatures, start: int, cap: int,
         else:
             hi = mid - 1
     return best
-
-
-def most_efficient(cost: OnlineCost, base: BatchFeatures, start: int, fit: int) -> int:
-    """The count (1..fit) of a chunk at position `start` that adds prefill tokens to a
-    batch of features `base` at the lowest predicted time per prefill token of the
-    iteration; the largest such count on a tie. 0 if `fit` is 0.
-
-    From two tokens on, the predicted time is quadratic in the count n (a cost per
-    token plus one per attention pair, n x start + n(n+1)/2) with non-negative
-    coefficients, so per token, with m = base's prefill tokens + n, it is
-    K/m + L + c x m with c >= 0: convex for K >= 0, increasing for K < 0. Either way
-    "the next count is dearer" is false, then true, so a binary search on that forward
-    difference finds the largest minimum. The curve is flat only for K = c = 0, where
-    rounding turns the differences into noise: the guard then takes `fit`. One token
-    runs as a decode, off that curve, so it is compared on its own.
-
-    The SLO still holds: a count of 2 or more below `fit` is predicted no slower than
-    `fit` itself, and 1 is taken only when its time per token, hence its time, is less.
-    """
-    if fit <= 1:
-        return fit
-    memo: dict[int, float] = {}
-
-    def per_token(n: int) -> float:
-        if n not in memo:
-            memo[n] = cost.predict(base.with_chunk(start, n)) / (base.prefill_tokens + n)
-        return memo[n]
-
-    lo, hi = 2, fit  # invariant: the largest minimum over 2..fit lies in lo..hi
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if per_token(mid + 1) > per_token(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    if per_token(fit) <= per_token(lo) * (1 + _TIE):
-        lo = fit  # a flat curve: the same cost per token, more tokens
-    return 1 if per_token(1) < per_token(lo) else lo
 
 
 class SloSarathiScheduler(SarathiScheduler):
@@ -132,10 +84,6 @@ class SloSarathiScheduler(SarathiScheduler):
     def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
         base = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in batch.chunks.values())
         fit = largest_fit(self.cost, base, start, min(wanted, batch.budget_left), self.target)
-        if fit < wanted:
-            # Not when the rest of the prompt fits whole: then it all goes, so that the
-            # request samples its first token now rather than an iteration later.
-            fit = most_efficient(self.cost, base, start, fit)
         # An iteration must compute something: alone, a chunk gets a token even if the
         # model (drifted since the start-up check) predicts that one token overruns.
         return max(fit, 1) if not batch.chunks and batch.budget_left else fit
