@@ -171,14 +171,14 @@ def test_gguf_quant_types_load_exactly(tmp_path, monkeypatch, metadata):
     import gguf
     from gguf.quants import dequantize
 
-    from stallfree.model import gguf_index
+    from stallfree.model import build_cache, gguf_index
 
-    monkeypatch.setattr(gguf_index, "build_dir", lambda: tmp_path / "build")
+    monkeypatch.setattr(build_cache, "build_dir", lambda: tmp_path / "build")
     path = tmp_path / "tiny.gguf"
     stored = _write_gguf(path)
     if metadata == "from its index":
         gguf_index.read_gguf(str(path))
-        assert len(list((tmp_path / "build" / "gguf").glob("*.json"))) == 1
+        assert len(list((tmp_path / "build" / "gguf").iterdir())) == 1
 
         def no_parse(*args, **kwargs):
             raise AssertionError("the GGUF was parsed again")

@@ -3,16 +3,14 @@
 gguf-py's reader builds every field of the file: a chat model's vocabulary and merges
 are ~100K strings, seconds of every start-up, where the engine needs only the model
 config and where each tensor lies. After the first parse both are saved as a small JSON
-under the build folder (keyed by the file and the gguf version), and later loads map the
-tensors straight from the file at the offsets it records.
+(build_cache.py), and later loads map the tensors straight from the file at the offsets
+it records.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from . import build_cache
 from .config import ModelConfig
-from .kernels import build_dir
-
-INDEX_ENTRIES = 8  # tests write GGUF files of their own, each a new key
 
 
 @dataclass(frozen=True)
@@ -40,10 +36,7 @@ def read_gguf(path: str) -> tuple[ModelConfig, list[Any]]:
     """(config, tensors) of a GGUF file, from its saved index where there is one."""
     import gguf
 
-    stat = os.stat(path)
-    key = hashlib.sha256(repr((os.path.abspath(path), stat.st_size, stat.st_mtime_ns,
-                               getattr(gguf, "__version__", ""))).encode()).hexdigest()[:16]
-    index = build_dir() / "gguf" / f"{key}.json"
+    index = build_cache.entry("gguf", path, getattr(gguf, "__version__", ""))
     if index.exists():
         try:
             return _from_index(path, json.loads(index.read_text()))
@@ -80,9 +73,6 @@ def _save(index: Path, config: ModelConfig, tensors: list[Any]) -> None:
         index.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=index.parent, delete=False) as f:
             f.write(text)
-        os.replace(f.name, index)  # whole or not at all, should two processes race
-        for old in sorted(index.parent.glob("*.json"), key=lambda p: p.stat().st_mtime)[
-                :-INDEX_ENTRIES]:
-            old.unlink(missing_ok=True)
+        build_cache.publish(Path(f.name), index)
     except (OSError, TypeError, ValueError) as e:  # read-only folder, or a config field
         logging.getLogger(__name__).info("GGUF index not written (%s)", e)  # JSON can't hold

@@ -1,20 +1,16 @@
 """Tokenizer loading (offline only) for GGUF files and Hugging Face directories."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import build_cache
 from .config import ModelConfig
-from .kernels import build_dir
 from .loader import default_model_path
 from .tool_prompt import template_handles_tools, with_tools_in_messages
-
-TOKENIZER_CACHE_ENTRIES = 8
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -34,30 +30,23 @@ def load_tokenizer(path: str | None) -> Any:
 def _gguf_tokenizer(path: str) -> Any:
     """transformers rebuilds the tokenizer (and chat template) from GGUF metadata, parsing
     every field of the file: seconds of each start-up. The result is saved once as a
-    tokenizer directory, keyed by the file and the library versions, and loaded from there
-    after (where the cache cannot be written, it is rebuilt every time)."""
+    tokenizer directory and loaded from there after (where the cache cannot be written,
+    it is rebuilt every time)."""
     import tokenizers
     import transformers
     from transformers import AutoTokenizer
 
-    stat = os.stat(path)
-    key = hashlib.sha256(repr((os.path.abspath(path), stat.st_size, stat.st_mtime_ns,
-                               transformers.__version__, tokenizers.__version__)).encode())
-    cached = build_dir() / "tokenizers" / key.hexdigest()[:16]
+    cached = build_cache.entry("tokenizers", path, transformers.__version__,
+                               tokenizers.__version__)
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached, local_files_only=True)
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, cached)  # whole or not at all, should two processes race
-            Path(tmp).mkdir()  # for the context manager's cleanup
-        # Bounded: tests write GGUF files of their own, each a new key.
-        entries = sorted(cached.parent.iterdir(), key=lambda p: p.stat().st_mtime)
-        for old in entries[:-TOKENIZER_CACHE_ENTRIES]:
-            shutil.rmtree(old, ignore_errors=True)
+        written = Path(tempfile.mkdtemp(dir=cached.parent))
+        tokenizer.save_pretrained(written)
+        build_cache.publish(written, cached)
     except OSError as e:
         logging.getLogger(__name__).info("tokenizer cache not written (%s)", e)
     return tokenizer
