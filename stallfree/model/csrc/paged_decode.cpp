@@ -74,6 +74,17 @@ inline void load_row(const T* p, vf* out) {
   }
 }
 
+// Asks for bytes [offset, offset + bytes) of n tokens' K and V rows (cache offsets `rows`).
+template <typename T>
+inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
+                          int64_t bytes) {
+  for (int j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + rows[j] + offset) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + rows[j] + offset) + b);
+    }
+}
+
 // Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
 // C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
@@ -89,11 +100,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
     const int64_t head = kv * C * kLanes;
-    for (int j = 0; j < n_next; ++j)
-      for (int64_t b = 0; b < C * kLanes * int64_t(sizeof(T)); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k + next[j] + head) + b);
-        __builtin_prefetch(reinterpret_cast<const char*>(v + next[j] + head) + b);
-      }
+    prefetch_rows(k, v, next, n_next, head, C * kLanes * int64_t(sizeof(T)));
     for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
       const vf* qh = q + h * C;
       vf a[kLanes];
@@ -146,11 +153,8 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
   };
   int64_t rows[2][kLanes];
   int n = offsets(item.begin, rows[0]);
-  for (int j = 0; j < n; ++j)  // the first tile's rows; attend_tile asks for each next one's
-    for (int64_t b = 0; b < row_len * int64_t(sizeof(T)); b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[0][j]) + b);
-      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[0][j]) + b);
-    }
+  // The first tile's rows; attend_tile asks for each next one's.
+  prefetch_rows(k_cache, v_cache, rows[0], n, 0, row_len * int64_t(sizeof(T)));
   for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes, i ^= 1) {
     const int next = start + kLanes < item.end ? offsets(start + kLanes, rows[i ^ 1]) : 0;
     attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], n, out, rows[i ^ 1], next);
