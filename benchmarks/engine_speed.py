@@ -5,7 +5,9 @@ Every figure is a median of repeated measurements taken in this one run.
 --kernel-ab NAME [--dtype D]: only the decode steps, with one CPU kernel and with its torch
 path in alternation (rounds interleaved), side by side. NAME: paged_decode (decode
 attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RMSNorm, and
-RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN).
+RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN),
+amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
+weights repacked at each switch).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from stallfree.model import layers, linear, paged_decode
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
-            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED}
+            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX}
+# Switches read when the weights are packed, at load: the model is repacked at each switch.
+REPACK = {"amx_linear", "packed_linear"}
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -97,6 +101,8 @@ def decode_kernel_ab(llm: LLM, name: str, batches: list[int], rounds: int) -> No
         for _ in range(rounds):
             for on in (False, True):
                 with SWITCHES[name].within(on):
+                    if name in REPACK:
+                        llm.engine.executor.model.prepack()
                     times[on].append(decode_step_seconds(llm, batch, 512, steps=8))
         old, new = (statistics.median(times[k]) * 1e3 for k in (False, True))
         print(f"| {batch} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)

@@ -1,8 +1,10 @@
-"""Few-token bf16 matmuls in the CPU kernel (stallfree/model/linear.py) against torch.
+"""bf16 matmuls in the CPU kernels (stallfree/model/linear.py: AMX tiles, few-row vectors)
+and from prepacked weights, against torch.
 
-The kernel accumulates in fp32 in another order than torch's bf16 matmul, so both are held
+The kernels accumulate in fp32 in another order than torch's bf16 matmul, so both are held
 to the float64 product with bf16's rounding as the bound. Without a built kernel library
-(no compiler) the tests that run it skip, saying why.
+(no compiler) the tests that run it skip, saying why; the AMX tests say which CPU flag or
+permission is missing.
 """
 from __future__ import annotations
 
@@ -12,11 +14,37 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.executor.hardware import cpu_flags
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.linear import PACKED, SKINNY_MAX_TOKENS, SWITCH, Linear, linear, pack_weight
+from stallfree.model.linear import (
+    AMX,
+    AMX_MAX_ROWS,
+    PACKED,
+    SKINNY_MAX_TOKENS,
+    SWITCH,
+    Linear,
+    amx_available,
+    linear,
+    pack_weight,
+)
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
+
+
+def _amx_missing() -> str | None:
+    if REASON is not None:
+        return f"kernels not built: {REASON}"
+    lacking = [f for f in ("amx_tile", "amx_bf16") if f not in cpu_flags()]
+    if lacking:
+        return f"this CPU lacks {' and '.join(lacking)}"
+    if not amx_available():
+        return "the OS refused this process the AMX tile registers (arch_prctl)"
+    return None
+
+
+AMX_MISSING = _amx_missing()
+needs_amx = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX: {AMX_MISSING}")
 BF16_EPS = 2.0 ** -8  # half a bf16 ulp, relative: the output's own rounding
 
 
@@ -54,6 +82,7 @@ def test_the_model_shapes_match_torch():
 
 
 @needs_kernel
+@AMX.within(False)  # the skinny kernel is the few-row path where AMX is not
 def test_linear_takes_the_kernel_only_for_few_bf16_rows(monkeypatch):
     calls = []
     real = torch.ops.stallfree.skinny_linear
@@ -99,8 +128,9 @@ def test_prepacked_weights_match_the_float64_product_within_bf16_rounding(
     layer = Linear(cols, rows, bias=bias).bfloat16()
     with torch.no_grad():
         layer.weight.copy_(torch.randn(rows, cols, generator=gen))
-    layer.prepack()
-    assert layer.packed is not None
+    with AMX.within(False):
+        layer.prepack()
+    assert layer.packed is not None and layer.packed.layout == "onednn"
     x = torch.randn(tokens, cols, generator=gen).bfloat16()
     out = layer(x).double()
     exact = x.double() @ layer.weight.double().t()
@@ -119,7 +149,8 @@ def test_packed_weights_are_used_only_where_they_apply(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(a[0].shape) or real(*a))
     layer = Linear(64, 48, bias=False).bfloat16()
-    layer.prepack()
+    with AMX.within(False):
+        layer.prepack()
     x = torch.randn(SKINNY_MAX_TOKENS + 3, 64).bfloat16()
     with PACKED.within(False):
         reference = layer(x)                   # switched off: F.linear
@@ -143,3 +174,73 @@ def test_loading_in_bf16_packs_every_matmul_weight_and_float32_packs_none(tiny_m
         assert layers and all((m.packed is not None) == packed for m in layers)
         if config.tie_word_embeddings:
             assert (model.logits_packed is not None) == packed
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 300), col_blocks=st.integers(1, 7), k_tiles=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_amx_kernel_matches_the_float64_product_within_bf16_rounding(tokens, col_blocks,
+                                                                     k_tiles, seed):
+    # Odd column blocks (a pair's single tail), 1 or 2 row tiles, row chunks past 256.
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = 16 * col_blocks, 32 * k_tiles
+    x = torch.randn(tokens, cols, generator=gen).bfloat16()
+    w = torch.randn(rows, cols, generator=gen).bfloat16()
+    out = torch.ops.stallfree.amx_linear(x, torch.ops.stallfree.amx_pack(w), rows)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, rows)
+    assert ((out.double() - x.double() @ w.double().t()).abs() <= _bound(x, w)).all()
+
+
+@needs_amx
+def test_amx_runs_the_model_shapes_and_strided_rows():
+    torch.manual_seed(0)
+    for rows, cols in ((960, 576), (576, 1536), (49152, 576)):
+        w = torch.randn(rows, cols).bfloat16()
+        packed = pack_weight(w)
+        assert packed is not None and packed.layout == "amx" and packed.nbytes == w.nbytes
+        for tokens in (1, 32, 512):
+            x = torch.randn(tokens, 2 * cols).bfloat16()[:, ::2]  # not contiguous
+            out = linear(x, w, packed=packed).double()
+            assert ((out - x.double() @ w.double().t()).abs() <= _bound(x, w)).all()
+
+
+@needs_amx
+def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit(monkeypatch):
+    calls = []
+    real = torch.ops.stallfree.amx_linear
+    monkeypatch.setattr(torch.ops.stallfree, "amx_linear",
+                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
+    layer = Linear(64, 48, bias=True).bfloat16()
+    layer.prepack()
+    assert layer.packed.layout == "amx"
+    for tokens in (1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(tokens, 64).bfloat16()
+        got = layer(x)
+        bound = 2 * _bound(x, layer.weight) + 2 * BF16_EPS * layer.bias.double().abs()
+        assert ((got.double() - F.linear(x, layer.weight, layer.bias).double()).abs()
+                <= 2 * bound).all()
+    assert calls == [1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS]  # more rows: torch
+    with AMX.within(False):
+        layer(torch.randn(8, 64).bfloat16())
+    assert len(calls) == 3
+    # Shapes the tiles cannot cover fall back to oneDNN's layout (or none).
+    odd = pack_weight(torch.randn(40, 64).bfloat16())
+    assert odd is None or odd.layout == "onednn"
+
+
+@needs_kernel
+def test_amx_operands_are_checked():
+    if AMX_MISSING is None:
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            torch.ops.stallfree.amx_pack(torch.randn(40, 64).bfloat16())
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            torch.ops.stallfree.amx_pack(torch.randn(16, 32))
+        packed = torch.ops.stallfree.amx_pack(torch.randn(16, 32).bfloat16())
+        with pytest.raises(RuntimeError, match="does not fit"):
+            torch.ops.stallfree.amx_linear(torch.randn(2, 64).bfloat16(), packed, 16)
+    else:  # the op exists everywhere and says why it cannot run
+        assert torch.ops.stallfree.amx_usable() is False or "permission" in AMX_MISSING
+        with pytest.raises(RuntimeError, match="AMX"):
+            torch.ops.stallfree.amx_linear(torch.randn(2, 32).bfloat16(),
+                                           torch.randn(512).bfloat16(), 16)

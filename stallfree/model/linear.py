@@ -1,17 +1,22 @@
-"""Linear layers whose few-token bfloat16 matmuls run in the CPU kernel
-(csrc/skinny_linear.cpp).
+"""Linear layers whose bfloat16 matmuls run in the CPU kernels (csrc/amx_linear.cpp,
+csrc/skinny_linear.cpp) or from weights prepacked for oneDNN, where that pays.
 
-A decode step's matmuls have one row of x per sequence. At a few rows torch's bf16 matmul
-on CPU streams the weights at about half the read bandwidth; the kernel streams them at
-nearly all of it (docs/benchmarks.md: "Few-token bf16 matmuls"), so a bf16 decode step is
-near its memory floor. Above SKINNY_MAX_TOKENS rows the weights are reused enough that
-torch's blocked matmul (AMX where the CPU has it) is faster, and faster still from weights
-reordered once, at load, into oneDNN's blocked layout (`pack_weight`): F.linear on a plain
+A decode step's matmuls have one row of x per sequence: they must stream the weights once.
+On a CPU with AMX, the weights are reordered once, at load, into the tile multiply's
+layout, and the AMX kernel runs every bf16 matmul up to AMX_MAX_ROWS rows: it streams the
+weights at 1-32 rows as fast as the few-row kernel does at one, where oneDNN read them at
+about half the bandwidth (docs/benchmarks.md: "AMX matmuls"), and it is as fast as oneDNN
+at a 512-row prefill chunk. Without AMX, few-row bf16 matmuls (up to SKINNY_MAX_TOKENS)
+run in the skinny kernel, which widens bf16 to fp32 vectors, and more rows go to oneDNN
+from weights reordered once into its blocked layout (`pack_weight`): F.linear on a plain
 bf16 weight reorders it on every call, which at 8-128 rows costs a third of the time
 (docs/benchmarks.md: "Prepacked bf16 weights"). Everything else goes to F.linear, the
-reference. STALLFREE_SKINNY_LINEAR=0 / STALLFREE_PACKED_LINEAR=0 turn either path off.
+reference. STALLFREE_AMX_LINEAR=0, STALLFREE_SKINNY_LINEAR=0 and STALLFREE_PACKED_LINEAR=0
+turn each path off.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,20 +29,53 @@ from .kernels import KernelSwitch
 SKINNY_MAX_TOKENS = 4
 SWITCH = KernelSwitch("STALLFREE_SKINNY_LINEAR")
 PACKED = KernelSwitch("STALLFREE_PACKED_LINEAR", needs_library=False)
+AMX = KernelSwitch("STALLFREE_AMX_LINEAR")
+# Measured on a 2-core AMX CPU (model shapes, 30 layers' weights): the AMX kernel takes
+# 0.7-0.95x oneDNN's time at 1-512 rows and 1.2-1.35x at 2048, where oneDNN's blocking
+# reuses x better; torch's matmul (which reorders the plain weight) takes those.
+AMX_MAX_ROWS = 1024
 # oneDNN picks its blocking for this many rows; measured: as fast as a per-size packing
 # at 8-128 rows and the fastest at a 512-token prefill chunk.
 PACK_HINT_ROWS = 512
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] reordered for oneDNN's matmul, or None where that path is not
-    used (not a CPU bf16 weight, no oneDNN, or the switch is off). The copy costs the
-    weight's size again in memory; it is built after loading, so KV sizing sees it."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or not PACKED.usable() or not torch.backends.mkldnn.is_available()):
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] reordered once for a matmul: `layout` "amx" (csrc/amx_linear.cpp's
+    tiles) or "onednn" (oneDNN's blocked layout)."""
+
+    data: torch.Tensor
+    layout: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def amx_available() -> bool:
+    """Whether the AMX kernel can run here: built for a CPU with AMX, and the OS lets this
+    process use the tile registers."""
+    return AMX.usable() and bool(torch.ops.stallfree.amx_usable())
+
+
+def _amx_shape(weight: torch.Tensor) -> bool:
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` [out, in] reordered for the AMX kernel where it can run, else for oneDNN's
+    matmul; None where neither is used (not a CPU bf16 weight, neither available, or
+    their switches off). The copy costs the weight's size again in memory; it is built
+    after loading, so KV sizing sees it."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    if _amx_shape(weight) and amx_available():
+        return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx")
+    if not PACKED.usable() or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_HINT_ROWS)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
+                                                                    PACK_HINT_ROWS), "onednn")
     except (AttributeError, RuntimeError):  # a torch build without the op
         return None
 
@@ -49,14 +87,20 @@ def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [T, in], in the kernel or from `packed` (the
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [T, in], in a kernel or from `packed` (the
     `pack_weight` of `weight`) where either pays."""
+    packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
+    if (packed_fits and packed.layout == "amx" and x.shape[0] <= AMX_MAX_ROWS
+            and AMX.enabled):
+        out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
+        return out if bias is None else out + bias
     if runs_in_kernel(x, weight):
         out = torch.ops.stallfree.skinny_linear(x, weight)
         return out if bias is None else out + bias
-    if packed is not None and PACKED.enabled and x.dim() == 2 and x.dtype == packed.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if packed_fits and packed.layout == "onednn" and PACKED.enabled:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none",
+                                                  [], "")
     return F.linear(x, weight, bias)
 
 
@@ -65,7 +109,7 @@ class Linear(nn.Linear):
 
     # Not a parameter or buffer: checkpoints and module moves never see it. `prepack`
     # sets it once the weight holds its final values.
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def prepack(self) -> None:
         self.packed = pack_weight(self.weight)

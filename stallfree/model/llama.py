@@ -9,7 +9,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
-from .linear import Linear, linear, pack_weight
+from .linear import Linear, PackedWeight, linear, pack_weight
 from .parallel import Shard, VocabParallelEmbedding
 
 logger = logging.getLogger("stallfree.model")
@@ -136,21 +136,23 @@ class LlamaForCausalLM(nn.Module):
         return self.shard.gather_vocab(logits.float(), self.config.vocab_size)
 
     # The tied embedding's packed copy (linear.pack_weight); lm_head, a Linear, holds its own.
-    logits_packed: torch.Tensor | None = None
+    logits_packed: PackedWeight | None = None
 
     def prepack(self) -> None:
         """Reorder matmul weights for the CPU's matmul library; once their values are final."""
-        packed = 0
+        packs: list[PackedWeight] = []
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-                packed += module.weight.nbytes if module.packed is not None else 0
+                packs += [module.packed] if module.packed is not None else []
         if self.lm_head is None and self.model.embed_tokens is not None:
             self.logits_packed = pack_weight(self._logits_weight())
-            packed += self._logits_weight().nbytes if self.logits_packed is not None else 0
-        if packed:
-            logger.info("bf16 matmul weights prepacked for oneDNN: %.0f MB more memory "
-                        "(STALLFREE_PACKED_LINEAR=0 saves it, at a slower matmul)", packed / 1e6)
+            packs += [self.logits_packed] if self.logits_packed is not None else []
+        if packs:
+            layouts = sorted({p.layout for p in packs})
+            logger.info("bf16 matmul weights prepacked for %s: %.0f MB more memory "
+                        "(STALLFREE_AMX_LINEAR=0 / STALLFREE_PACKED_LINEAR=0 turn it off)",
+                        "+".join(layouts), sum(p.nbytes for p in packs) / 1e6)
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""

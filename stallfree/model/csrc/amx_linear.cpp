@@ -1,0 +1,232 @@
+// x @ W.T for bfloat16 x and W in AMX tiles (CPU), at any number of rows of x.
+//
+// A decode step's matmuls have one row of x per running sequence: at 8-64 rows they must
+// stream W once and do little arithmetic per byte, yet AVX-512 fp32 FMAs cannot keep up
+// with the bytes past a few rows, and oneDNN's bf16 path read the weights at about half
+// the bandwidth there (docs/benchmarks.md: "AMX matmuls"). AMX's tile multiply does a
+// 16x16x32 block in one instruction, so the stream of W is the only cost up to ~64 rows.
+//
+// W is reordered once, at load (amx_pack), into the layout the tile multiply reads:
+// blocks of 16 output columns, each a run of K/32 tiles of 1 KiB, a tile holding 16 pairs
+// of k values for each of its 16 columns ([N/16][K/32][16][16][2]). A thread walks its
+// share of column blocks two at a time against 16 or 32 rows of x: four fp32 accumulator
+// tiles, two of x, two of W (all eight tile registers). The next pair's tiles are
+// prefetched into L2 while this pair runs. Rows of x beyond 256 are taken in chunks so that
+// they stay in L2 while a pair of W blocks is reused from L1. Accumulation is fp32 and the
+// result is rounded to bf16 once, as torch's bf16 matmul does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define STALLFREE_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileBytes = 1024;   // 16 rows x 64 bytes
+constexpr int64_t kRowChunk = 256;     // rows of x kept in L2 per sweep over W
+
+#ifdef STALLFREE_AMX
+
+// The kernel allows a process to use the tile registers only once asked (Linux >= 5.16).
+bool permission_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile register 16 rows of 64 bytes: 16 fp32 sums, or 32 bf16 values (16 k-pairs).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
+void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
+  alignas(64) float acc[16 * 16];
+  switch (tile_index) {  // tile numbers must be immediates
+    case 0: _tile_stored(0, acc, 64); break;
+    case 1: _tile_stored(1, acc, 64); break;
+    case 2: _tile_stored(2, acc, 64); break;
+    default: _tile_stored(3, acc, 64); break;
+  }
+  for (int r = 0; r < rows; ++r) store16(out + r * ld, load16(acc + r * 16));
+}
+
+// 16 * RowTiles rows of x (row stride `lda` bytes) against one or two column blocks of W,
+// whose tiles start at w0 and w1; the sums stay in tiles 0-1 (row tile 0) and 2-3.
+template <int RowTiles, bool Two>
+inline void block(const uint8_t* x, int64_t lda, const uint8_t* w0, const uint8_t* w1,
+                  int64_t k_tiles, const uint8_t* prefetch) {
+  _tile_zero(0);
+  if (Two) _tile_zero(1);
+  if (RowTiles == 2) _tile_zero(2);
+  if (RowTiles == 2 && Two) _tile_zero(3);
+  for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    if (prefetch != nullptr) {
+      const char* p = reinterpret_cast<const char*>(prefetch + kb * 2 * kTileBytes);
+      for (int line = 0; line < 2 * kTileBytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T1);
+    }
+    _tile_loadd(4, x + kb * 64, lda);
+    if (RowTiles == 2) _tile_loadd(5, x + 16 * lda + kb * 64, lda);
+    _tile_loadd(6, w0 + kb * kTileBytes, 64);
+    if (Two) _tile_loadd(7, w1 + kb * kTileBytes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (Two) _tile_dpbf16ps(1, 4, 7);
+    if (RowTiles == 2) _tile_dpbf16ps(2, 5, 6);
+    if (RowTiles == 2 && Two) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+template <int RowTiles>
+void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w,
+                   int64_t k_tiles, int64_t col_begin, int64_t col_end, int64_t row_begin,
+                   int64_t row_end, c10::BFloat16* out, int64_t n) {
+  const int64_t block_bytes = k_tiles * kTileBytes;
+  for (int64_t c = col_begin; c < col_end; c += 2) {
+    const bool two = c + 1 < col_end;
+    const uint8_t* w0 = w + c * block_bytes;
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += 16 * RowTiles) {
+      // Prefetch the next pair on the first sweep only: later row groups reuse this pair.
+      const uint8_t* next = r0 == row_begin && c + 2 < col_end ? w0 + 2 * block_bytes : nullptr;
+      const uint8_t* xr = x + r0 * lda;
+      if (two)
+        block<RowTiles, true>(xr, lda, w0, w0 + block_bytes, k_tiles, next);
+      else
+        block<RowTiles, false>(xr, lda, w0, nullptr, k_tiles, next);
+      const int valid0 = static_cast<int>(std::min<int64_t>(16, rows - r0));
+      const int valid1 = static_cast<int>(std::min<int64_t>(16, rows - r0 - 16));
+      c10::BFloat16* o = out + r0 * n + c * 16;
+      store_tile(0, valid0, o, n);
+      if (two) store_tile(1, valid0, o + 16, n);
+      if (RowTiles == 2 && valid1 > 0) {
+        store_tile(2, valid1, o + 16 * n, n);
+        if (two) store_tile(3, valid1, o + 16 * n + 16, n);
+      }
+    }
+  }
+}
+
+#endif  // STALLFREE_AMX
+
+bool amx_usable() {
+#ifdef STALLFREE_AMX
+  return permission_granted();
+#else
+  return false;
+#endif
+}
+
+void check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "amx_pack: a 2-d bfloat16 weight expected, got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0,
+              "amx_pack: weight rows must be a multiple of 16 and columns of 32, got ",
+              w.sizes());
+}
+
+// W [N, K] -> [N/16][K/32][16 k-pairs][16 columns][2], the tile multiply's B operand.
+at::Tensor amx_pack(const at::Tensor& weight) {
+  check_weight(weight);
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), k_tiles = k / 32;
+  at::Tensor out = at::empty({n * k}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, n / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t kb = 0; kb < k_tiles; ++kb) {
+        uint16_t* tile = dst + (nb * k_tiles + kb) * 512;
+        for (int pair = 0; pair < 16; ++pair)
+          for (int col = 0; col < 16; ++col)
+            for (int e = 0; e < 2; ++e)
+              tile[(pair * 16 + col) * 2 + e] = src[(nb * 16 + col) * k + kb * 32 + 2 * pair + e];
+      }
+  });
+  return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or build has no usable AMX");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "amx_linear: bfloat16 x [M, K] and packed weight expected");
+  const int64_t rows = x_in.size(0), k = x_in.size(1);
+  TORCH_CHECK(k % 32 == 0 && n % 16 == 0 && packed.numel() == n * k,
+              "amx_linear: packed weight of ", packed.numel(), " values does not fit x ",
+              x_in.sizes(), " and n = ", n);
+  at::Tensor out = at::empty({rows, n}, x_in.options());
+  if (rows == 0) return out;
+#ifdef STALLFREE_AMX
+  // Rows padded to whole row tiles with zeros, so every tile load reads real memory.
+  const int64_t row_tiles = rows <= 16 ? 1 : 2;
+  const int64_t padded = (rows + 16 * row_tiles - 1) / (16 * row_tiles) * (16 * row_tiles);
+  at::Tensor x = x_in.contiguous();
+  if (padded != rows) {
+    at::Tensor p = at::zeros({padded, k}, x.options());
+    p.narrow(0, 0, rows).copy_(x);
+    x = p;
+  }
+  const auto* xa = reinterpret_cast<const uint8_t*>(x.data_ptr());
+  const auto* wa = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  auto* oa = out.data_ptr<c10::BFloat16>();
+  const int64_t k_tiles = k / 32, col_blocks = n / 16, lda = k * 2;
+  // Threads take equal runs of column-block pairs.
+  const int64_t pairs = (col_blocks + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = 2 * (pairs * t / threads);
+      const int64_t c1 = std::min(col_blocks, 2 * (pairs * (t + 1) / threads));
+      for (int64_t r = 0; r < padded; r += kRowChunk) {
+        const int64_t r_end = std::min(padded, r + kRowChunk);
+        if (row_tiles == 1)
+          column_blocks<1>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n);
+        else
+          column_blocks<2>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def("amx_usable() -> bool", &amx_usable);
+  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
+}
