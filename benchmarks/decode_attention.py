@@ -2,7 +2,7 @@
 that reads the paged cache in place.
 
 Run: .venv/bin/python benchmarks/decode_attention.py [--threads 1 2] [--dtype float32 bfloat16]
-     [--flex] [--quick] [--history] [--baseline-rev REV] [--huge-pages-ab]
+     [--flex] [--quick] [--history] [--baseline-rev REV] [--huge-pages-ab] [--tiles-ab]
 
 Default model's shapes (9 query heads, 3 KV heads x 64, block size 16), a 1 GiB KV cache
 of random values (30 layers) with each request's blocks scattered through it; batches of
@@ -19,6 +19,8 @@ on a shared machine hits them alike):
   baseline --baseline-rev REV: the op as it was at git revision REV, built beside it
   4k-pages --huge-pages-ab: the op on a copy of the cache advised against huge pages, so
            `op` (advised for them) vs `4k-pages` is what 2 MiB pages buy
+  vectors  --tiles-ab: the op with its scores in vectors, not AMX tiles (bf16 caches on a
+           CPU with AMX; elsewhere both take the vector path)
 With --history, the gather path's earlier steps too (fresh: a new gather tensor per call,
 one call padded to the longest; buffer: into the reused buffer; groups: + length groups).
 Prints median milliseconds per layer: CPU time with one thread (robust to other load),
@@ -98,14 +100,17 @@ class Case:
                 paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
                                 self.heads[2] ** -0.5)
 
-    def op(self, namespace: str = "stallfree", cache: torch.Tensor | None = None) -> None:
+    def op(self, namespace: str = "stallfree", cache: torch.Tensor | None = None,
+           tiles: bool = True) -> None:
         """The kernel's op alone, reading the cache (no new K/V written, no Python around
-        it): how --baseline-rev and --huge-pages-ab compare like with like."""
+        it): how --baseline-rev, --huge-pages-ab and --tiles-ab compare like with like."""
         cache = self.cache if cache is None else cache
         fn = getattr(torch.ops, namespace).paged_decode
         tables, lens = self.meta.decode_block_tables, self.meta.decode_context_lens
+        # Older revisions (the baseline) had no `tiles` argument.
+        extra = (tiles,) if namespace == "stallfree" else ()
         for i in range(self.layers):
-            fn(self.q, cache[i], tables, lens, self.heads[2] ** -0.5, -1)
+            fn(self.q, cache[i], tables, lens, self.heads[2] ** -0.5, -1, *extra)
 
 
 def build_baseline(rev: str) -> None:
@@ -197,6 +202,8 @@ def main() -> None:
                     help="a git revision whose kernel is timed beside this one")
     ap.add_argument("--huge-pages-ab", action="store_true",
                     help="the kernel on a cache in 4 KiB pages too")
+    ap.add_argument("--tiles-ab", action="store_true",
+                    help="the kernel with its scores in vectors too (not AMX tiles)")
     args = ap.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -210,10 +217,12 @@ def main() -> None:
     if args.quick:
         shapes = [(8, "mixed"), (32, "512")]
     # Each as (its time / the time of what it is compared with): > 1 means the latter is faster.
-    versus = {"gather": "kernel", "flex": "kernel", "baseline": "op", "4k-pages": "op"}
-    others = ((["op"] if args.baseline_rev or args.huge_pages_ab else [])
+    versus = {"gather": "kernel", "flex": "kernel", "baseline": "op", "4k-pages": "op",
+              "vectors": "op"}
+    others = ((["op"] if args.baseline_rev or args.huge_pages_ab or args.tiles_ab else [])
               + (["baseline"] if args.baseline_rev else [])
-              + (["4k-pages"] if args.huge_pages_ab else []) + (["flex"] if args.flex else []))
+              + (["4k-pages"] if args.huge_pages_ab else [])
+              + (["vectors"] if args.tiles_ab else []) + (["flex"] if args.flex else []))
     ratios = ["gather"] + [n for n in others if n in versus]
     for dtype in map(lambda name: getattr(torch, name), args.dtype):
         per_block = 2 * layers * BLOCK * heads[1] * heads[2] * dtype.itemsize
@@ -252,6 +261,8 @@ def main() -> None:
                     variants["baseline"] = partial(case.op, "stallfree_baseline")
                 if small_pages is not None:
                     variants["4k-pages"] = partial(case.op, cache=small_pages)
+                if args.tiles_ab:
+                    variants["vectors"] = partial(case.op, tiles=False)
                 if args.flex:
                     variants["flex"] = flex_variant(case)
                 ms = {k: v * 1e3 / layers for k, v in measure(variants, rounds,

@@ -7,7 +7,8 @@ path in alternation (rounds interleaved), side by side. NAME: paged_decode (deco
 attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RMSNorm, and
 RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN),
 amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
-weights repacked at each switch).
+weights repacked at each switch), amx_attention (decode attention's scores in AMX tiles;
+its other path is the kernel's vectors).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from stallfree.model import layers, linear, paged_decode
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
-            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX}
+            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
+            "amx_attention": paged_decode.TILES}
 # Switches read when the weights are packed, at load: the model is repacked at each switch.
 REPACK = {"amx_linear", "packed_linear"}
 

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.executor.hardware import cpu_flags
-from stallfree.model.kernels import unavailable_reason
+from stallfree.model.kernels import amx_unavailable_reason, unavailable_reason
 from stallfree.model.linear import (
     AMX,
     AMX_MAX_ROWS,
@@ -23,7 +22,6 @@ from stallfree.model.linear import (
     SKINNY_MAX_TOKENS,
     SWITCH,
     Linear,
-    amx_available,
     linear,
     pack_weight,
 )
@@ -32,18 +30,7 @@ REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
 
 
-def _amx_missing() -> str | None:
-    if REASON is not None:
-        return f"kernels not built: {REASON}"
-    lacking = [f for f in ("amx_tile", "amx_bf16") if f not in cpu_flags()]
-    if lacking:
-        return f"this CPU lacks {' and '.join(lacking)}"
-    if not amx_available():
-        return "the OS refused this process the AMX tile registers (arch_prctl)"
-    return None
-
-
-AMX_MISSING = _amx_missing()
+AMX_MISSING = amx_unavailable_reason()
 needs_amx = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX: {AMX_MISSING}")
 BF16_EPS = 2.0 ** -8  # half a bf16 ulp, relative: the output's own rounding
 

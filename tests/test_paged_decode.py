@@ -14,7 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
-from stallfree.model.kernels import KernelLibrary, library_path, unavailable_reason
+from stallfree.model.kernels import (
+    KernelLibrary,
+    amx_unavailable_reason,
+    library_path,
+    unavailable_reason,
+)
 from stallfree.model.paged_decode import AUTO_SPLIT, kernel_enabled, paged_decode, usable
 
 REASON = unavailable_reason()
@@ -246,3 +251,69 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(default_ll
     with kernel_enabled(False):
         reference = [o.token_ids for o in default_llm.generate(prompts, params)]
     assert fast == reference
+
+
+AMX_MISSING = amx_unavailable_reason()
+needs_amx = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX: {AMX_MISSING}")
+
+
+def _decode_op(batch: Batch, seqs, q: torch.Tensor, tiles: bool, split: int = AUTO_SPLIT):
+    meta = AttentionMetadata.build(seqs, batch.block_size, "cpu")
+    return paged_decode(q, batch.cache, meta.decode_block_tables, meta.decode_context_lens,
+                        batch.dim ** -0.5, split, tiles=tiles)
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(contexts=st.lists(st.integers(1, 700), min_size=1, max_size=10),
+       heads=st.sampled_from([(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 128), (32, 8, 128),
+                              (12, 2, 32), (16, 1, 64)]),
+       block_size=st.sampled_from([16, 32]), seed=st.integers(0, 2**16),
+       split=st.sampled_from([0, 16, 64, AUTO_SPLIT]))
+def test_property_scores_in_amx_tiles_match_fp32_math(contexts, heads, block_size, seed,
+                                                      split):
+    """bf16 cache: the tile path against fp32 math on the same stored values within the
+    output's rounding, and against the vector path within one bf16 step. Groups of 1-16
+    heads, several column tiles (32 heads), 32-128 dims, blocks of one or two tiles, the
+    garbage rows past a context's end masked (a random cache, NaN-free but arbitrary)."""
+    batch = Batch(heads, torch.bfloat16, block_size=block_size,
+                  num_blocks=10 * 700 // block_size + 10, seed=seed)
+    seqs = batch.decodes(contexts)
+    q = batch.qkv(len(seqs))[0]
+    tiles = _decode_op(batch, seqs, q, True, split)
+    vectors = _decode_op(batch, seqs, q, False, split)
+    exact = Batch(heads, block_size=block_size)
+    exact.cache = batch.cache.float()
+    truth = _decode_op(exact, seqs, q.float(), False, split)
+    assert tiles.dtype == torch.bfloat16
+    for row in range(len(seqs)):
+        assert _rel_err(tiles[row], truth[row]) < 8e-3, f"row {row}"
+        assert _rel_err(tiles[row], vectors[row]) < 2 ** -7, f"row {row}"
+
+
+@needs_amx
+def test_masked_tail_rows_holding_nan_do_not_reach_the_output():
+    """A block's slots past the context may hold anything a previous owner left: NaN there
+    must not enter the scores of the tokens that count."""
+    batch = Batch((9, 3, 64), torch.bfloat16, num_blocks=64)
+    seqs = batch.decodes([5, 21, 40])
+    for _, _, table in seqs:
+        batch.cache[:, table[-1], 8:] = float("nan")  # past every context's end (5, 21-16, 40-32)
+    q = batch.qkv(len(seqs))[0]
+    out = _decode_op(batch, seqs, q, True)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, _decode_op(batch, seqs, q, False)) < 2 ** -7
+
+
+@needs_kernel
+def test_shapes_the_tiles_cannot_take_run_in_vectors_bit_for_bit():
+    """Blocks of 8 tokens (a tile would cross blocks), 16-dim heads (half a tile), a float32
+    cache and groups of more than 16 heads take the vector path whatever `tiles` says."""
+    for heads, dtype, block_size in (((9, 3, 64), torch.bfloat16, 8),
+                                     ((4, 2, 16), torch.bfloat16, 16),
+                                     ((9, 3, 64), torch.float32, 16),
+                                     ((17, 1, 64), torch.bfloat16, 16)):
+        batch = Batch(heads, dtype, block_size=block_size, num_blocks=200)
+        seqs = batch.decodes([3, 90, 250])
+        q = batch.qkv(len(seqs))[0]
+        assert torch.equal(_decode_op(batch, seqs, q, True), _decode_op(batch, seqs, q, False))

@@ -96,6 +96,23 @@ def unavailable_reason() -> str | None:
     return LIBRARY.reason
 
 
+AMX_FLAGS = ("amx_tile", "amx_bf16")
+
+
+def amx_unavailable_reason() -> str | None:
+    """Why the AMX paths of the kernels cannot run here (None: they can): no library, a CPU
+    without the flags, or the OS refusing this process the tile registers."""
+    if unavailable_reason() is not None:
+        return f"kernels not built: {LIBRARY.reason}"
+    flags = _cpu_flags().split()
+    lacking = [f for f in AMX_FLAGS if f not in flags]
+    if lacking:
+        return f"this CPU lacks {' and '.join(lacking)}"
+    if not torch.ops.stallfree.amx_usable():
+        return "the OS refused this process the AMX tile registers (arch_prctl)"
+    return None
+
+
 class KernelSwitch:
     """Whether one kernel is used where it could be: on unless its environment variable is
     "0"; `within(False)` runs the reference path inside a block (comparisons, benchmarks)."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelSwitch
+from .kernels import KernelSwitch, amx_unavailable_reason
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
@@ -55,7 +55,7 @@ class PackedWeight:
 def amx_available() -> bool:
     """Whether the AMX kernel can run here: built for a CPU with AMX, and the OS lets this
     process use the tile registers."""
-    return AMX.usable() and bool(torch.ops.stallfree.amx_usable())
+    return AMX.usable() and amx_unavailable_reason() is None
 
 
 def _amx_shape(weight: torch.Tensor) -> bool:

@@ -2,7 +2,9 @@
 
 Without the kernel library (see kernels.py), on a non-CPU device or another head size,
 decode attention takes the torch path of attention.py, which stays the reference.
-STALLFREE_PAGED_DECODE=0 turns the kernel off.
+STALLFREE_PAGED_DECODE=0 turns the kernel off. On a CPU with AMX and a bfloat16 cache the
+kernel computes the scores in AMX tiles (csrc/paged_decode_amx.h);
+STALLFREE_AMX_ATTENTION=0 keeps its vector path.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Engine calls let the kernel size its work items by the threads it runs on.
 AUTO_SPLIT = -1
 SWITCH = KernelSwitch("STALLFREE_PAGED_DECODE")
+TILES = KernelSwitch("STALLFREE_AMX_ATTENTION")
 
 
 def kernel_enabled(enabled: bool) -> AbstractContextManager[None]:
@@ -34,14 +37,15 @@ def usable(kv_cache: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, split: int = AUTO_SPLIT
-                 ) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, split: int = AUTO_SPLIT,
+                 tiles: bool | None = None) -> torch.Tensor:
     """q [B, Hq, D] against one layer's cache [2, blocks, block_size, Hkv, D]: row i sees
     its first context_lens[i] tokens through block_tables[i] (int64). Returns [B, Hq, D].
 
     `split`: tokens per work item (0: whole requests; AUTO_SPLIT: sized by the threads).
+    `tiles`: scores in AMX tiles where the CPU and shapes allow (default: the switch).
     """
     if not LIBRARY.load():
         raise RuntimeError(f"paged decode kernel unavailable: {LIBRARY.reason}")
     return torch.ops.stallfree.paged_decode(q, kv_cache, block_tables, context_lens, scale,
-                                            split)
+                                            split, TILES.enabled if tiles is None else tiles)

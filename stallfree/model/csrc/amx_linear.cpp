@@ -25,46 +25,13 @@
 
 #include "vec.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define STALLFREE_AMX 1
-#endif
+#include "amx.h"
 
 namespace {
 
-constexpr int64_t kTileBytes = 1024;   // 16 rows x 64 bytes
 constexpr int64_t kRowChunk = 256;     // rows of x kept in L2 per sweep over W
 
 #ifdef STALLFREE_AMX
-
-// The kernel allows a process to use the tile registers only once asked (Linux >= 5.16).
-bool permission_granted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile register 16 rows of 64 bytes: 16 fp32 sums, or 32 bf16 values (16 k-pairs).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
 void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
@@ -133,14 +100,6 @@ void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w
 }
 
 #endif  // STALLFREE_AMX
-
-bool amx_usable() {
-#ifdef STALLFREE_AMX
-  return permission_granted();
-#else
-  return false;
-#endif
-}
 
 void check_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,

@@ -25,65 +25,11 @@
 #include <limits>
 #include <vector>
 
+#include "paged_decode.h"
+#include "paged_decode_amx.h"
 #include "vec.h"
 
 namespace {
-
-struct Shape {
-  int64_t heads, kv_heads, dim, block_size, num_blocks, max_blocks;
-};
-
-// One work item: tokens [begin, end) of request `row`.
-struct Item {
-  int64_t row, begin, end;
-};
-
-// Softmax state of one item: running max and sum per query head, unnormalised output.
-struct Partial {
-  float* max;
-  float* sum;
-  float* acc;
-};
-
-// How a row is held in vectors. A bf16 row is widened by splitting each 32-bit word into
-// its two halves (one shift, one mask: no shuffle), so its vectors hold the even and the odd
-// dims of 32 consecutive ones; other dtypes are held in order. The query and the output are
-// held in the same order, so a dot product or a weighted sum never needs the row reordered.
-template <typename T, int C>
-constexpr bool kSplit = std::is_same_v<T, c10::BFloat16> && C % 2 == 0;
-
-template <typename T, int C>
-inline int64_t dim_of(int c, int lane) {  // the dim a held lane stands for
-  if constexpr (kSplit<T, C>)
-    return (c / 2) * 2 * kLanes + 2 * lane + c % 2;
-  else
-    return c * kLanes + lane;
-}
-
-template <typename T, int C>
-inline void load_row(const T* p, vf* out) {
-  if constexpr (kSplit<T, C>) {
-    for (int c = 0; c < C; c += 2) {
-      vu u;
-      std::memcpy(&u, p + c * kLanes, sizeof u);
-      out[c] = reinterpret_cast<vf>(u << 16);
-      out[c + 1] = reinterpret_cast<vf>(u & 0xffff0000u);
-    }
-  } else {
-    for (int c = 0; c < C; ++c) out[c] = load16(p + c * kLanes);
-  }
-}
-
-// Asks for bytes [offset, offset + bytes) of n tokens' K and V rows (cache offsets `rows`).
-template <typename T>
-inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
-                          int64_t bytes) {
-  for (int j = 0; j < n; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k + rows[j] + offset) + b);
-      __builtin_prefetch(reinterpret_cast<const char*>(v + rows[j] + offset) + b);
-    }
-}
 
 // Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
@@ -187,9 +133,17 @@ int64_t part_tokens(int64_t split, const int64_t* lens, int64_t rows) {
   return (split + kLanes - 1) / kLanes * kLanes;
 }
 
+// The query as the tile path takes it: bf16, unscaled ([B, Hq, D] contiguous), or null
+// for the vector path.
+struct TileQuery {
+  const c10::BFloat16* q = nullptr;
+  float scale = 1.f;
+};
+
 template <typename T, int C>
 void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T* cache,
-         const int64_t* tables, const int64_t* lens, int64_t rows, float* out, int64_t split) {
+         const int64_t* tables, const int64_t* lens, int64_t rows, float* out, int64_t split,
+         TileQuery tq) {
   const int64_t H = s.heads, D = s.dim;
   const T* k_cache = cache;
   const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
@@ -215,6 +169,24 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
     for (++th; th < threads; ++th) first[th] = n;
   }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+#ifdef STALLFREE_AMX
+    if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
+      if (tq.q != nullptr) {
+        const ColumnTiles ct = column_tiles(s);
+        std::vector<uint16_t> qpack(ct.packed_elems());
+        configure_tiles();
+        for (int64_t th = t0; th < t1; ++th)
+          for (int64_t i = first[th]; i < first[th + 1]; ++i) {
+            const Item& it = items[i];
+            pack_query(s, ct, tq.q + it.row * H * D, D, qpack.data());
+            attend_amx<C>(s, ct, qpack.data(), tq.scale, k_cache, v_cache,
+                          tables + it.row * s.max_blocks, it, partial(i));
+          }
+        _tile_release();
+        return;
+      }
+    }
+#endif
     std::vector<vf> qv(H * C);
     for (int64_t th = t0; th < t1; ++th) {
       for (int64_t i = first[th]; i < first[th + 1]; ++i) {
@@ -265,10 +237,11 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
 // q [B, Hq, D] (last dim contiguous), kv_cache [2, num_blocks, block_size, Hkv, D]
 // contiguous, block_tables [B, max_blocks] int64, context_lens [B] int64 (keys each query
 // sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
-// (see part_tokens; -1 in the engine).
+// (see part_tokens; -1 in the engine). `tiles`: scores in AMX tiles where the CPU and the
+// shapes allow it (paged_decode_amx.h), else the vector path.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t split) {
+                        double scale, int64_t split, bool tiles) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "need q [B, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D]");
@@ -297,13 +270,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t q_row = qf.stride(0), q_head = qf.stride(1);
+  TileQuery tq;
+  at::Tensor qb;
+  if (tiles && kv_cache.scalar_type() == at::kBFloat16 && amx_attention_fits(s)) {
+    qb = q.to(at::kBFloat16).contiguous();
+    tq = {qb.data_ptr<c10::BFloat16>(), static_cast<float>(scale)};
+  }
   auto dispatch = [&](auto* cache) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
     switch (s.dim) {
-      case 16: return run<T, 1>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
-      case 32: return run<T, 2>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
-      case 64: return run<T, 4>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
-      case 128: return run<T, 8>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split);
+      case 16: return run<T, 1>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
+      case 32: return run<T, 2>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
+      case 64: return run<T, 4>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
+      case 128: return run<T, 8>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
       default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", s.dim);
     }
   };
@@ -320,7 +299,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(stallfree, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int split) -> Tensor");
+        "float scale, int split, bool tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("paged_decode", &paged_decode); }

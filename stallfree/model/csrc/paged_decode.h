@@ -1,0 +1,71 @@
+// What the decode-attention kernels (paged_decode.cpp, paged_decode_amx.h) share: the
+// cache's shape, work items and their softmax state, and how a row is held in vectors.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace {
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, num_blocks, max_blocks;
+};
+
+// One work item: tokens [begin, end) of request `row`.
+struct Item {
+  int64_t row, begin, end;
+};
+
+// Softmax state of one item: running max and sum per query head, unnormalised output.
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;
+};
+
+// How a row is held in vectors. A bf16 row is widened by splitting each 32-bit word into
+// its two halves (one shift, one mask: no shuffle), so its vectors hold the even and the odd
+// dims of 32 consecutive ones; other dtypes are held in order. The query and the output are
+// held in the same order, so a dot product or a weighted sum never needs the row reordered.
+template <typename T, int C>
+constexpr bool kSplit = std::is_same_v<T, c10::BFloat16> && C % 2 == 0;
+
+template <typename T, int C>
+inline int64_t dim_of(int c, int lane) {  // the dim a held lane stands for
+  if constexpr (kSplit<T, C>)
+    return (c / 2) * 2 * kLanes + 2 * lane + c % 2;
+  else
+    return c * kLanes + lane;
+}
+
+template <typename T, int C>
+inline void load_row(const T* p, vf* out) {
+  if constexpr (kSplit<T, C>) {
+    for (int c = 0; c < C; c += 2) {
+      vu u;
+      std::memcpy(&u, p + c * kLanes, sizeof u);
+      out[c] = reinterpret_cast<vf>(u << 16);
+      out[c + 1] = reinterpret_cast<vf>(u & 0xffff0000u);
+    }
+  } else {
+    for (int c = 0; c < C; ++c) out[c] = load16(p + c * kLanes);
+  }
+}
+
+// Asks for bytes [offset, offset + bytes) of n tokens' K and V rows (cache offsets `rows`).
+template <typename T>
+inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
+                          int64_t bytes) {
+  for (int j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + rows[j] + offset) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + rows[j] + offset) + b);
+    }
+}
+
+}  // namespace
