@@ -1,0 +1,90 @@
+"""The bf16 matmul paths of stallfree/model/linear.py side by side, on the default model's
+shapes: every layer's four weights (30 layers, 212 MB, read cold), at several row counts.
+
+Run: .venv/bin/python benchmarks/matmul_paths.py [--rows 1 8 32 512] [--rounds 5]
+
+Paths, timed in turn within every round (interleaved, so a load change hits them alike):
+  amx      csrc/amx_linear.cpp on weights packed for the tile multiply (CPUs with AMX)
+  onednn   oneDNN's matmul on weights reordered once into its blocked layout
+  skinny   csrc/skinny_linear.cpp (up to linear.SKINNY_MAX_TOKENS rows)
+  torch    F.linear on the plain weight (oneDNN reorders it at every call)
+Prints the median ms per pass over all 120 matrices, the weight bytes streamed per second
+and the matmul rate, with the CPU's flags.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from stallfree.executor.hardware import cpu_flags
+from stallfree.model.kernels import amx_unavailable_reason, unavailable_reason
+from stallfree.model.linear import PACK_HINT_ROWS, SKINNY_MAX_TOKENS
+from stallfree.model.loader import default_model_path, load_model_config
+
+
+def model_shapes() -> list[tuple[int, int]]:
+    """(out, in) of one layer's qkv, o, gate_up and down projections."""
+    c = load_model_config(default_model_path())
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return [(qkv, c.hidden_size), (c.hidden_size, c.num_attention_heads * c.head_dim),
+            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512,
+                                                            1024, 2048])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=30)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    shapes = model_shapes()
+    weights = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(args.layers)]
+    nbytes = sum(w.nbytes for layer in weights for w in layer)
+    paths: dict[str, Callable[[torch.Tensor, int, int], object]] = {}
+    if amx_unavailable_reason() is None:
+        amx = [[torch.ops.stallfree.amx_pack(w) for w in layer] for layer in weights]
+        paths["amx"] = lambda x, i, j: torch.ops.stallfree.amx_linear(x, amx[i][j],
+                                                                      shapes[j][0])
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in layer]
+              for layer in weights]
+    paths["onednn"] = lambda x, i, j: torch.ops.mkldnn._linear_pointwise(
+        x, onednn[i][j], None, "none", [], "")
+    if unavailable_reason() is None:
+        paths["skinny"] = lambda x, i, j: torch.ops.stallfree.skinny_linear(x, weights[i][j])
+    paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}; "
+          f"AMX: {amx_unavailable_reason() or 'yes'}")
+    print(f"{args.layers} layers x {len(shapes)} weights {shapes}, {nbytes / 1e6:.0f} MB; "
+          f"median ms per pass of {args.rounds} interleaved rounds")
+    names = list(paths)
+    print("| rows | " + " | ".join(names) + " | fastest | its GB/s | its GFLOP/s |")
+    print("|---" * (len(names) + 4) + "|")
+    for rows in args.rows:
+        xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
+        active = [n for n in names if n != "skinny" or rows <= SKINNY_MAX_TOKENS]
+        times: dict[str, list[float]] = {n: [] for n in active}
+        for round_ in range(args.rounds + 1):  # the first round warms up
+            for name in active:
+                start = time.perf_counter()
+                for i in range(args.layers):
+                    for j in range(len(shapes)):
+                        paths[name](xs[j], i, j)
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+        med = {n: statistics.median(t) for n, t in times.items()}
+        best = min(med, key=med.get)
+        print(f"| {rows} | " + " | ".join(f"{med[n] * 1e3:.2f}" if n in med else "-"
+                                          for n in names)
+              + f" | {best} | {nbytes / med[best] / 1e9:.1f} | "
+              f"{2 * rows * nbytes / 2 / med[best] / 1e9:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
