@@ -10,6 +10,7 @@ which stays the reference; the first time, one log line says why.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -99,9 +100,11 @@ def unavailable_reason() -> str | None:
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 
 
+@functools.cache
 def amx_unavailable_reason() -> str | None:
     """Why the AMX paths of the kernels cannot run here (None: they can): no library, a CPU
-    without the flags, or the OS refusing this process the tile registers."""
+    without the flags, or the OS refusing this process the tile registers. Fixed for the
+    process, so asked once (every weight's packing asks)."""
     if unavailable_reason() is not None:
         return f"kernels not built: {LIBRARY.reason}"
     flags = _cpu_flags().split()

@@ -94,9 +94,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (packed_fits and packed.layout == "amx" and x.shape[0] <= AMX_MAX_ROWS
             and AMX.enabled):
         out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
-        return out if bias is None else out + bias
-    if runs_in_kernel(x, weight):
+    elif runs_in_kernel(x, weight):
         out = torch.ops.stallfree.skinny_linear(x, weight)
+    else:
+        out = None
+    if out is not None:  # the kernels take no bias
         return out if bias is None else out + bias
     if packed_fits and packed.layout == "onednn" and PACKED.enabled:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none",

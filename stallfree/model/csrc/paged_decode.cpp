@@ -173,7 +173,7 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
     if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
       if (tq.q != nullptr) {
         const ColumnTiles ct = column_tiles(s);
-        std::vector<uint16_t> qpack(ct.packed_elems());
+        std::vector<uint16_t> qpack(ct.packed_elems(s.kv_heads));
         configure_tiles();
         for (int64_t th = t0; th < t1; ++th)
           for (int64_t i = first[th]; i < first[th + 1]; ++i) {
@@ -261,20 +261,25 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lens[r] >= 0 && lens[r] <= s.max_blocks * s.block_size, "context ", lens[r],
                 " of row ", r, " does not fit its block table");
-  // The scaled query in fp32 (a new contiguous tensor: q may be a view of a fused qkv).
-  at::Tensor qf = q.to(at::kFloat).mul(scale);
   at::Tensor out = at::empty({rows, s.heads, s.dim}, q.options().dtype(at::kFloat));
   if (rows == 0) return out.to(q.scalar_type());
   split = part_tokens(split, lens, rows);
-  const float* qp = qf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t q_row = qf.stride(0), q_head = qf.stride(1);
+  // The query as the path taking it wants it, a new contiguous tensor either way (q may be
+  // a view of a fused qkv): bf16 and unscaled for the tiles, scaled fp32 for the vectors.
   TileQuery tq;
-  at::Tensor qb;
+  at::Tensor qb, qf;
+  const float* qp = nullptr;
+  int64_t q_row = 0, q_head = 0;
   if (tiles && kv_cache.scalar_type() == at::kBFloat16 && amx_attention_fits(s)) {
     qb = q.to(at::kBFloat16).contiguous();
     tq = {qb.data_ptr<c10::BFloat16>(), static_cast<float>(scale)};
+  } else {
+    qf = q.to(at::kFloat).mul(scale);
+    qp = qf.data_ptr<float>();
+    q_row = qf.stride(0);
+    q_head = qf.stride(1);
   }
   auto dispatch = [&](auto* cache) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;

@@ -32,7 +32,7 @@ struct ColumnTiles {
   int64_t kv_per_tile;  // KV heads whose groups share a tile
   int64_t tiles;
   int64_t chunks;       // head_dim / 32: score products per KV head
-  int64_t packed_elems() const { return tiles * kv_per_tile * chunks * 512; }
+  int64_t packed_elems(int64_t kv_heads) const { return kv_heads * chunks * 512; }
 };
 
 inline ColumnTiles column_tiles(const Shape& s) {
@@ -51,17 +51,17 @@ inline bool amx_attention_fits(const Shape& s) {
 #ifdef STALLFREE_AMX
 
 // The B operands for one request's query q [heads, dim] (bf16, unscaled, row stride
-// `q_head`): per column tile, KV head and 32 dims a tile [16 dim pairs][16 columns][2].
+// `q_head`): per KV head and 32 dims a tile [16 dim pairs][16 columns][2], the columns
+// those of the head's score tile.
 inline void pack_query(const Shape& s, const ColumnTiles& ct, const c10::BFloat16* q,
                        int64_t q_head, uint16_t* out) {
   const auto* qs = reinterpret_cast<const uint16_t*>(q);
-  std::memset(out, 0, ct.packed_elems() * sizeof(uint16_t));
+  std::memset(out, 0, ct.packed_elems(s.kv_heads) * sizeof(uint16_t));
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
-    const int64_t slot = kv % ct.kv_per_tile;
     for (int64_t c = 0; c < ct.chunks; ++c) {
-      uint16_t* b = out + ((kv / ct.kv_per_tile * ct.kv_per_tile + slot) * ct.chunks + c) * 512;
+      uint16_t* b = out + (kv * ct.chunks + c) * 512;
       for (int64_t g = 0; g < ct.group; ++g) {
-        const int64_t col = slot * ct.group + g;
+        const int64_t col = kv % ct.kv_per_tile * ct.group + g;  // its column in its tile
         const uint16_t* qh = qs + (kv * ct.group + g) * q_head + c * 32;
         for (int pair = 0; pair < 16; ++pair) {
           b[(pair * 16 + col) * 2] = qh[2 * pair];
@@ -146,7 +146,7 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
       for (int64_t kv = kv0; kv < kv1; ++kv)
         for (int64_t c = 0; c < ct.chunks; ++c) {
           _tile_loadd(1, k + kv * D + c * 32, row_len * int64_t(sizeof(c10::BFloat16)));
-          _tile_loadd(2, qpack + ((tile * ct.kv_per_tile + kv - kv0) * ct.chunks + c) * 512, 64);
+          _tile_loadd(2, qpack + (kv * ct.chunks + c) * 512, 64);
           _tile_dpbf16ps(0, 1, 2);
         }
       _tile_stored(0, scores, 64);
