@@ -39,3 +39,19 @@ def tiny_model(tmp_path_factory) -> str:
     from tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def bf16_llm():
+    """The default model in bfloat16, where the CPU computes it in hardware."""
+    # By the flags, not the timed probe: under load the probe may call bf16 slow, and the
+    # agreement must be checked wherever the CPU computes bf16 in hardware.
+    from stallfree.executor import hardware
+
+    if not set(hardware.BF16_FLAGS) & hardware.cpu_flags():
+        pytest.skip(f"the CPU has none of {hardware.BF16_FLAGS}: bf16 would take minutes")
+    from stallfree import LLM
+
+    llm = LLM(max_model_len=4096, dtype="bfloat16")
+    yield llm
+    llm.shutdown()

@@ -68,19 +68,6 @@ def test_a_slow_bf16_matmul_keeps_float32(monkeypatch):
     assert not probe.fast and "1.1x" in probe.reason
 
 
-@pytest.fixture(scope="module")
-def bf16_llm():
-    # By the flags, not the timed probe: under load the probe may call bf16 slow, and the
-    # agreement must be checked wherever the CPU computes bf16 in hardware.
-    if not set(hardware.BF16_FLAGS) & hardware.cpu_flags():
-        pytest.skip(f"the CPU has none of {hardware.BF16_FLAGS}: bf16 would take minutes")
-    from stallfree import LLM
-
-    llm = LLM(max_model_len=4096, dtype="bfloat16")
-    yield llm
-    llm.shutdown()
-
-
 def test_bf16_agrees_with_float32_until_a_close_call(default_llm, bf16_llm, record_property):
     """Greedy bf16 tokens equal float32's up to the first position where float32 itself
     hesitated (top-2 logits within CLOSE_CALL) or bf16's rounded top-2 are as close; the largest

@@ -6,13 +6,12 @@ order. Without a built kernel (no compiler) the tests that run it skip, saying w
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attention_batch import Batch, rel_err
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from stallfree.model.kernels import (
     KernelLibrary,
@@ -28,59 +27,15 @@ FP32_TOL = 1e-5
 GROUPS = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 128), (4, 2, 16)]
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-class Batch:
-    """A cache of `num_blocks` random blocks and requests whose tables are random blocks."""
-
-    def __init__(self, heads: tuple[int, int, int], dtype: torch.dtype = torch.float32,
-                 block_size: int = 16, num_blocks: int = 600, seed: int = 0) -> None:
-        self.hq, self.hkv, self.dim = heads
-        self.block_size, self.dtype = block_size, dtype
-        self.gen = torch.Generator().manual_seed(seed)
-        self.rng = random.Random(seed)
-        self.cache = torch.randn(2, num_blocks, block_size, self.hkv, self.dim,
-                                 generator=self.gen).to(dtype)
-        self.free = list(range(num_blocks))
-        self.rng.shuffle(self.free)
-
-    def table(self, tokens: int) -> list[int]:
-        n = -(-tokens // self.block_size)
-        table, self.free = self.free[:n], self.free[n:]
-        return table
-
-    def qkv(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = torch.randn(rows, self.hq, self.dim, generator=self.gen).to(self.dtype)
-        k, v = (torch.randn(rows, self.hkv, self.dim, generator=self.gen).to(self.dtype)
-                for _ in range(2))
-        return q, k, v
-
-    def attend(self, seqs: list[tuple[int, int, list[int]]], kernel: bool,
-               qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        meta = AttentionMetadata.build(seqs, self.block_size, "cpu", GatherWorkspace())
-        with kernel_enabled(kernel):
-            return paged_attention(*qkv, self.cache, meta, self.dim ** -0.5)
-
-    def both(self, seqs: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kernel, reference) outputs of one batch (both write the same new K/V)."""
-        qkv = self.qkv(sum(n for _, n, _ in seqs))
-        return self.attend(seqs, True, qkv), self.attend(seqs, False, qkv)
-
-    def decodes(self, contexts: list[int]) -> list[tuple[int, int, list[int]]]:
-        return [(c - 1, 1, self.table(c)) for c in contexts]
-
-
 @needs_kernel
 @pytest.mark.parametrize("heads", GROUPS, ids=lambda h: "q{}_kv{}_d{}".format(*h))
 def test_decodes_match_the_reference_from_1_to_4096_tokens(heads):
     batch = Batch(heads, num_blocks=1100)
     contexts = [1, 2, 15, 16, 17, 31, 33, 100, 511, 1000, 4096]
     out, ref = batch.both(batch.decodes(contexts))
-    assert _rel_err(out, ref) < FP32_TOL
+    assert rel_err(out, ref) < FP32_TOL
     for i in range(len(contexts)):  # each row, not only the batch's largest values
-        assert _rel_err(out[i], ref[i]) < FP32_TOL, f"context {contexts[i]}"
+        assert rel_err(out[i], ref[i]) < FP32_TOL, f"context {contexts[i]}"
 
 
 @needs_kernel
@@ -101,8 +56,8 @@ def test_half_precision_caches_are_as_close_as_their_rounding(dtype, heads):
     exact.cache = batch.cache.float()
     truth = exact.attend(seqs, False, tuple(t.float() for t in qkv))
     assert out.dtype == dtype
-    assert _rel_err(out, truth) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
-    assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+    assert rel_err(out, truth) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    assert rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 3e-3)
 
 
 @needs_kernel
@@ -123,10 +78,10 @@ def test_requests_cut_into_parts_merge_to_the_same_result(threads, split):
                              meta.decode_context_lens, 0.125, 0)
     finally:
         torch.set_num_threads(saved)
-    assert _rel_err(out, whole) < FP32_TOL
+    assert rel_err(out, whole) < FP32_TOL
     ref = batch.attend(seqs, False, (q, *batch.qkv(len(seqs))[1:]))
     # The reference wrote new K/V into each last slot; compare rows against a fresh run.
-    assert _rel_err(paged_decode(q, batch.cache, meta.decode_block_tables,
+    assert rel_err(paged_decode(q, batch.cache, meta.decode_block_tables,
                                  meta.decode_context_lens, 0.125, split), ref) < FP32_TOL
 
 
@@ -139,8 +94,8 @@ def test_mixed_prefill_and_decode_batches_match_the_reference():
     seqs = [(40, 24, first), (0, 33, batch.table(33))] + batch.decodes([5, 260, 1024])
     out, ref = batch.both(seqs)
     assert out.shape == ref.shape == (24 + 33 + 3, 9, 64)
-    assert _rel_err(out, ref) < FP32_TOL
-    assert _rel_err(out[57:], ref[57:]) < FP32_TOL  # the decodes on their own
+    assert rel_err(out, ref) < FP32_TOL
+    assert rel_err(out[57:], ref[57:]) < FP32_TOL  # the decodes on their own
 
 
 @needs_kernel
@@ -160,7 +115,7 @@ def test_a_preempted_request_recomputed_in_reused_blocks():
     seqs = [(a_prompt, 1, a_table), (b_prompt, 1, b_table)]
     out = batch.attend(seqs, True, (q, k, v))
     ref = batch.attend(seqs, False, (q, k, v))
-    assert _rel_err(out, ref) < FP32_TOL
+    assert rel_err(out, ref) < FP32_TOL
     # Ground truth: dense attention over each request's own keys.
     for row, (own, n) in enumerate(((qkv_a, a_prompt), (qkv_b, b_prompt))):
         keys = torch.cat([own[1], k[row:row + 1]])
@@ -168,7 +123,7 @@ def test_a_preempted_request_recomputed_in_reused_blocks():
         expect = torch.nn.functional.scaled_dot_product_attention(
             q[row][:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=0.125,
             enable_gqa=True)[:, 0]
-        assert _rel_err(out[row], expect) < FP32_TOL, f"request {'AB'[row]} at {n} tokens"
+        assert rel_err(out[row], expect) < FP32_TOL, f"request {'AB'[row]} at {n} tokens"
 
 
 @needs_kernel
@@ -185,7 +140,7 @@ def test_property_any_batch_matches_the_reference(contexts, heads, block_size, s
     meta = AttentionMetadata.build(seqs, block_size, "cpu")
     out = paged_decode(q, batch.cache, meta.decode_block_tables, meta.decode_context_lens,
                        heads[2] ** -0.5, split)
-    assert _rel_err(out, ref) < FP32_TOL
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @needs_kernel
@@ -287,8 +242,8 @@ def test_property_scores_in_amx_tiles_match_fp32_math(contexts, heads, block_siz
     truth = _decode_op(exact, seqs, q.float(), False, split)
     assert tiles.dtype == torch.bfloat16
     for row in range(len(seqs)):
-        assert _rel_err(tiles[row], truth[row]) < 8e-3, f"row {row}"
-        assert _rel_err(tiles[row], vectors[row]) < 2 ** -7, f"row {row}"
+        assert rel_err(tiles[row], truth[row]) < 8e-3, f"row {row}"
+        assert rel_err(tiles[row], vectors[row]) < 2 ** -7, f"row {row}"
 
 
 @needs_amx
@@ -302,7 +257,7 @@ def test_masked_tail_rows_holding_nan_do_not_reach_the_output():
     q = batch.qkv(len(seqs))[0]
     out = _decode_op(batch, seqs, q, True)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, _decode_op(batch, seqs, q, False)) < 2 ** -7
+    assert rel_err(out, _decode_op(batch, seqs, q, False)) < 2 ** -7
 
 
 @needs_kernel

@@ -4,8 +4,9 @@ The KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]
 token `p` of a request lives in slot `block_table[p // block_size] * block_size +
 p % block_size` of the flattened [num_blocks * block_size] view.
 
-On CPU, decodes run in the C++ kernel of paged_decode.py, which reads the cache in place;
-elsewhere, or without the kernel, they gather their blocks and run SDPA (the reference).
+On CPU, decodes run in the C++ kernel of paged_decode.py and, with a bfloat16 cache on a
+CPU with AMX, prefill chunks in that of paged_prefill.py, both reading the cache in place;
+elsewhere, or without the kernels, they gather their blocks and run SDPA (the reference).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_plan import attends_as_decode, decode_groups
+from . import paged_prefill as prefill_kernel
 from .paged_decode import paged_decode, usable
 
 
@@ -58,6 +60,7 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # keys a chunk sees: cached tokens before it + its own length
     prefill_block_tables: list[torch.Tensor]  # int64 per chunk
+    prefill_table: torch.Tensor  # [chunks, max_blocks] int64: the same, padded
     decode_context_lens: torch.Tensor  # [B] int64, includes the new token
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded
     block_size: int
@@ -67,6 +70,9 @@ class AttentionMetadata:
     # when the chunk has no cached prefix (it then attends to its own K/V directly).
     prefill_gather_blocks: list[torch.Tensor | None] | None = field(default=None, repr=False)
     prefill_masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
+    # Or, where the prefill kernel runs the chunks: its query and context lengths [chunks].
+    prefill_kernel_lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None,
+                                                                          repr=False)
     # Decodes run in groups of similar context (stallfree/attention_plan.py), each padded
     # to its longest: (rows in the batch's decodes or None for all in order, blocks
     # [g, nb], key mask [g, 1, 1, nb*bs] bool).
@@ -127,6 +133,7 @@ class AttentionMetadata:
             prefill_context_lens=[s + n for s, n, _ in prefills],
             prefill_block_tables=[torch.as_tensor(t, dtype=torch.int64).to(device)
                                   for _, _, t in prefills],
+            prefill_table=tables[:len(prefills)].contiguous().to(device),
             decode_context_lens=torch.tensor([s + 1 for s, _, _ in decodes],
                                              dtype=torch.int64).to(device),
             decode_block_tables=tables[len(prefills):, :dec_blocks].contiguous().to(device),
@@ -140,7 +147,13 @@ class AttentionMetadata:
         shape in every layer); idempotent, so the first layer's call does the work. The
         decode plan only where decodes take the torch path."""
         bs = self.block_size
-        if self.prefill_gather_blocks is None:
+        if (self.prefill_kernel_lens is None and self.prefill_gather_blocks is None
+                and self.prefill_query_lens and prefill_kernel.usable(kv_cache)):
+            device = self.prefill_table.device
+            self.prefill_kernel_lens = (
+                torch.tensor(self.prefill_query_lens, dtype=torch.int64, device=device),
+                torch.tensor(self.prefill_context_lens, dtype=torch.int64, device=device))
+        if self.prefill_kernel_lens is None and self.prefill_gather_blocks is None:
             self.prefill_gather_blocks, self.prefill_masks = [], []
             for qlen, ctx, table in zip(self.prefill_query_lens, self.prefill_context_lens,
                                         self.prefill_block_tables):
@@ -192,7 +205,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     outputs: list[torch.Tensor] = []
     row = 0
-    for i, qlen in enumerate(meta.prefill_query_lens):
+    if meta.prefill_kernel_lens is not None:
+        row = meta.num_prefill_tokens
+        outputs.append(prefill_kernel.paged_prefill(
+            q[:row].to(kv_cache.dtype), kv_cache, meta.prefill_table,
+            *meta.prefill_kernel_lens, scale).to(q.dtype))
+    for i, qlen in enumerate(meta.prefill_query_lens if row == 0 else ()):
         # [1, H, L, D] views for SDPA.
         qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
         blocks = meta.prefill_gather_blocks[i]

@@ -106,6 +106,21 @@ inline void store16(c10::BFloat16* p, vf v) {
 
 typedef int32_t vi __attribute__((vector_size(64)));
 
+// The 16x16 transpose of a[0..15] in place: four rounds of interleaving row i with row
+// i + 8, each of which rotates an element's (row, column) bits by one.
+inline void transpose16(vf* a) {
+  for (int round = 0; round < 4; ++round) {
+    vf t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = __builtin_shufflevector(a[i], a[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                         21, 6, 22, 7, 23);
+      t[2 * i + 1] = __builtin_shufflevector(a[i], a[i + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12,
+                                             28, 13, 29, 14, 30, 15, 31);
+    }
+    std::memcpy(a, t, sizeof t);
+  }
+}
+
 // e^x for x <= 0 in every lane (Cephes' expf polynomial, ~1 ulp).
 inline vf exp_nonpositive(vf x) {
   const vf lo = vf{} - 87.0f, magic = vf{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers

@@ -1,0 +1,50 @@
+"""Prefill attention over the paged KV cache in AMX tiles (csrc/paged_prefill.cpp) and
+whether a batch can use it.
+
+Every prefill chunk of a batch in one call, reading its context in place through its block
+table and skipping the keys its causal mask hides. It needs a bfloat16 cache, AMX and
+head_dim % 32 == 0 with block_size % 16 == 0; elsewhere attention.py runs the chunks in
+SDPA, which stays the reference. STALLFREE_PAGED_PREFILL=0 turns it off.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager
+
+import torch
+
+from .kernels import KernelSwitch, _cpu_flags, amx_unavailable_reason
+
+SWITCH = KernelSwitch("STALLFREE_PAGED_PREFILL")
+
+
+def kernel_enabled(enabled: bool) -> AbstractContextManager[None]:
+    """Prefill attention in the kernel (True, where usable) or SDPA (False) inside the block."""
+    return SWITCH.within(enabled)
+
+
+def usable(kv_cache: torch.Tensor) -> bool:
+    """Whether prefill chunks over this layer's cache [2, blocks, block_size, Hkv, D] run in
+    the kernel."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.bfloat16
+            and kv_cache.shape[-1] % 32 == 0 and kv_cache.shape[2] % 16 == 0
+            and SWITCH.usable() and unavailable_reason() is None)
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
+    reason = amx_unavailable_reason()
+    if reason is None and "avx512_bf16" not in _cpu_flags().split():
+        reason = "this CPU lacks avx512_bf16"
+    return reason
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_lens: torch.Tensor, context_lens: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Chunk i's query_lens[i] rows of q [T, Hq, D] (in chunk order) against its first
+    context_lens[i] keys through block_tables[i] [chunks, max_blocks] (int64), causally: its
+    queries are the last query_lens[i] of those positions. Returns [T, Hq, D] bf16."""
+    return torch.ops.stallfree.paged_prefill(q, kv_cache, block_tables, query_lens,
+                                             context_lens, scale)

@@ -1,0 +1,165 @@
+"""The AMX prefill-attention kernel (stallfree/model/paged_prefill.py) against fp32 math and
+the torch reference path (gather + SDPA with the chunk's causal mask).
+
+On a CPU without AMX or AVX512_BF16 the tests that run the kernel skip, and say which flag
+is missing; the torch path they compare with runs everywhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attention_batch import Batch, rel_err
+from stallfree.model import paged_prefill
+from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+
+MISSING = paged_prefill.unavailable_reason()
+needs_kernel = pytest.mark.skipif(MISSING is not None, reason=f"prefill kernel: {MISSING}")
+HEADS = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 128), (32, 8, 128), (12, 2, 32),
+         (16, 1, 64)]
+
+
+def _truth(batch: Batch, seqs, qkv) -> torch.Tensor:
+    """The reference path in fp32 over the same stored (bf16) values: run after the kernel
+    wrote the batch's K/V, so the fp32 copy holds them."""
+    exact = Batch((batch.hq, batch.hkv, batch.dim), block_size=batch.block_size)
+    exact.cache = batch.cache.float()
+    return exact.attend(seqs, False, tuple(t.float() for t in qkv))
+
+
+def _chunks(batch: Batch, shapes: list[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+    """(cached, new) per chunk -> seqs with fresh tables holding both."""
+    return [(cached, new, batch.table(cached + new)) for cached, new in shapes]
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=st.lists(st.tuples(st.integers(0, 900), st.integers(2, 300)), min_size=1,
+                       max_size=4),
+       decodes=st.lists(st.integers(1, 500), max_size=3),
+       heads=st.sampled_from(HEADS), block_size=st.sampled_from([16, 32]),
+       seed=st.integers(0, 2**16))
+def test_property_chunks_match_fp32_math(shapes, decodes, heads, block_size, seed):
+    """Chunks with and without a cached prefix, of any length (tails of 16-query tiles and
+    32-key steps), GQA groups of 1-16, 32-128 dims, beside decodes in the same batch: within
+    the output's bf16 rounding of fp32 math on the same values, and close to the bf16
+    reference path. The cache is random, so the slots past a context hold arbitrary values."""
+    batch = Batch(heads, torch.bfloat16, block_size=block_size,
+                  num_blocks=7 * 1300 // block_size + 7, seed=seed)
+    seqs = _chunks(batch, shapes) + batch.decodes(decodes)
+    qkv = batch.qkv(sum(n for _, n, _ in seqs))
+    out = batch.attend(seqs, True, qkv)
+    truth = _truth(batch, seqs, qkv)
+    reference = batch.attend(seqs, False, qkv)
+    assert out.dtype == torch.bfloat16 and out.shape == truth.shape
+    row = 0
+    for i, (_, n, _) in enumerate(seqs):
+        assert rel_err(out[row:row + n], truth[row:row + n]) < 8e-3, f"seq {i}"
+        assert rel_err(out[row:row + n], reference[row:row + n]) < 2 ** -6, f"seq {i}"
+        row += n
+
+
+@needs_kernel
+def test_a_chunk_sees_its_prefix_and_only_its_past():
+    """Each query of a chunk against dense causal attention over the request's own keys,
+    the prefix written by an earlier chunk: a key one position ahead changes nothing."""
+    batch = Batch((9, 3, 64), torch.bfloat16, num_blocks=64)
+    table = batch.table(100)
+    first, second = batch.qkv(60), batch.qkv(40)
+    batch.attend([(0, 60, table)], True, first)
+    out = batch.attend([(60, 40, table)], True, second)
+    keys = torch.cat([first[1], second[1]]).float()
+    values = torch.cat([first[2], second[2]]).float()
+    causal = torch.ones(40, 100, dtype=torch.bool).tril(60)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        second[0].float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=causal, scale=0.125, enable_gqa=True).transpose(0, 1)
+    assert rel_err(out, expect) < 8e-3
+    # The future must not leak: change the keys after the last query's position.
+    batch.cache[:, table[-1], 100 % 16:] = float("nan")
+    again = batch.attend([(60, 40, table)], True, second)
+    assert torch.equal(again, out)
+
+
+@needs_kernel
+def test_nan_past_the_context_does_not_reach_the_output():
+    """Slots past a context may hold anything a block's previous owner left, NaN included:
+    neither their keys nor their values may enter the output."""
+    batch = Batch((9, 3, 64), torch.bfloat16, num_blocks=64)
+    seqs = _chunks(batch, [(0, 37), (20, 5), (33, 30)])
+    for cached, new, table in seqs:
+        end = cached + new
+        batch.cache[:, table[-1], end % 16 or 16:] = float("nan")
+    qkv = batch.qkv(72)
+    out = batch.attend(seqs, True, qkv)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, _truth(batch, seqs, qkv)) < 8e-3
+
+
+@needs_kernel
+def test_the_kernel_gathers_nothing_and_builds_no_mask(monkeypatch):
+    batch = Batch((9, 3, 64), torch.bfloat16)
+    seqs = _chunks(batch, [(100, 50), (0, 70)])
+    meta = AttentionMetadata.build(seqs, 16, "cpu", GatherWorkspace())
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("prefill gathered KV blocks")
+
+    monkeypatch.setattr(GatherWorkspace, "gather", no_gather)
+    paged_attention(*batch.qkv(120), batch.cache, meta, 0.125)
+    assert meta.prefill_masks is None and meta.prefill_kernel_lens is not None
+
+
+@needs_kernel
+def test_bad_arguments_raise_instead_of_reading_outside_the_cache():
+    batch = Batch((9, 3, 64), torch.bfloat16, num_blocks=8)
+    q = batch.qkv(20)[0]
+    lens = torch.tensor([20])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_prefill.paged_prefill(q, batch.cache, torch.tensor([[3, 99]]), lens,
+                                    torch.tensor([30]), 0.125)
+    with pytest.raises(RuntimeError, match="block table's capacity"):
+        paged_prefill.paged_prefill(q, batch.cache, torch.tensor([[3, 4]]), lens,
+                                    torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match="sum to 10"):
+        paged_prefill.paged_prefill(q, batch.cache, torch.tensor([[3, 4]]),
+                                    torch.tensor([10]), torch.tensor([30]), 0.125)
+
+
+def test_caches_the_kernel_cannot_take_keep_the_reference_path():
+    """fp32 and fp16 caches, 16-dim heads, 8-token blocks and the switch turned off: the
+    chunks take the gather + SDPA path (whatever the CPU)."""
+    for heads, dtype, block_size in (((9, 3, 64), torch.float32, 16),
+                                     ((9, 3, 64), torch.float16, 16),
+                                     ((4, 2, 16), torch.bfloat16, 16),
+                                     ((9, 3, 64), torch.bfloat16, 8)):
+        batch = Batch(heads, dtype, block_size=block_size, num_blocks=40)
+        assert not paged_prefill.usable(batch.cache)
+    batch = Batch((9, 3, 64), torch.bfloat16)
+    with paged_prefill.kernel_enabled(False):
+        assert not paged_prefill.usable(batch.cache)
+        meta = AttentionMetadata.build(_chunks(batch, [(10, 20)]), 16, "cpu")
+        paged_attention(*batch.qkv(20), batch.cache, meta, 0.125)
+        assert meta.prefill_kernel_lens is None and meta.prefill_masks is not None
+
+
+@needs_kernel
+def test_engine_prefills_run_in_the_kernel_and_decode_alike(bf16_llm, monkeypatch):
+    """The default model in bf16: prompts prefilled in the kernel (chunked and whole) give
+    the same greedy tokens as the reference path, and their first token's logits agree."""
+    from stallfree import SamplingParams
+    from stallfree.model import attention
+
+    calls = []
+    real = attention.prefill_kernel.paged_prefill
+    monkeypatch.setattr(attention.prefill_kernel, "paged_prefill",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = ["The capital of France is", "def fibonacci(n):\n    " * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fast = [o.token_ids for o in bf16_llm.generate(prompts, params)]
+    assert calls, "the engine's prefills did not run in the kernel"
+    with paged_prefill.kernel_enabled(False):
+        reference = [o.token_ids for o in bf16_llm.generate(prompts, params)]
+    assert fast == reference
