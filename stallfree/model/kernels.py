@@ -100,6 +100,12 @@ def unavailable_reason() -> str | None:
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 
 
+def missing_cpu_flags(flags: tuple[str, ...]) -> list[str]:
+    """Those of `flags` this CPU's /proc/cpuinfo does not list."""
+    have = _cpu_flags().split()
+    return [f for f in flags if f not in have]
+
+
 @functools.cache
 def amx_unavailable_reason() -> str | None:
     """Why the AMX paths of the kernels cannot run here (None: they can): no library, a CPU
@@ -107,8 +113,7 @@ def amx_unavailable_reason() -> str | None:
     process, so asked once (every weight's packing asks)."""
     if unavailable_reason() is not None:
         return f"kernels not built: {LIBRARY.reason}"
-    flags = _cpu_flags().split()
-    lacking = [f for f in AMX_FLAGS if f not in flags]
+    lacking = missing_cpu_flags(AMX_FLAGS)
     if lacking:
         return f"this CPU lacks {' and '.join(lacking)}"
     if not torch.ops.stallfree.amx_usable():

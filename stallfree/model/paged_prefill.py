@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .kernels import KernelSwitch, _cpu_flags, amx_unavailable_reason
+from .kernels import KernelSwitch, amx_unavailable_reason, missing_cpu_flags
 
 SWITCH = KernelSwitch("STALLFREE_PAGED_PREFILL")
 
@@ -35,7 +35,7 @@ def usable(kv_cache: torch.Tensor) -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
     reason = amx_unavailable_reason()
-    if reason is None and "avx512_bf16" not in _cpu_flags().split():
+    if reason is None and missing_cpu_flags(("avx512_bf16",)):
         reason = "this CPU lacks avx512_bf16"
     return reason
 
