@@ -8,7 +8,8 @@ attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RM
 RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN),
 amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
 weights repacked at each switch), amx_attention (decode attention's scores in AMX tiles;
-its other path is the kernel's vectors).
+its other path is the kernel's vectors), paged_prefill (prefill attention in AMX tiles; its
+torch path gathers the context and runs SDPA; measured on prefills, not decode steps).
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.executor.hardware import cpu_flags
-from stallfree.model import layers, linear, paged_decode
+from stallfree.model import layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
             "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
-            "amx_attention": paged_decode.TILES}
+            "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH}
 # Switches read when the weights are packed, at load: the model is repacked at each switch.
 REPACK = {"amx_linear", "packed_linear"}
+PREFILL = {"paged_prefill"}  # compared on prefill chunks
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -110,6 +112,21 @@ def decode_kernel_ab(llm: LLM, name: str, batches: list[int], rounds: int) -> No
         print(f"| {batch} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)
 
 
+def prefill_kernel_ab(llm: LLM, name: str, chunks: list[int], rounds: int) -> None:
+    """Prefill tokens/s of a 2048-token prompt in chunks, kernel vs its torch path."""
+    print(f"prefill, 2048-token prompt in chunks, {llm.engine.dtype}, "
+          f"{torch.get_num_threads()} threads; {name}: median of {rounds} interleaved rounds")
+    print("| chunk | torch path tok/s | kernel tok/s | speed-up |\n|---|---|---|---|")
+    for chunk in chunks:
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                with SWITCHES[name].within(on):
+                    rates[on].append(prefill_tokens_per_second(llm, chunk, 2048))
+        old, new = (statistics.median(rates[k]) for k in (False, True))
+        print(f"| {chunk} | {old:.0f} | {new:.0f} | {new / old:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
@@ -118,6 +135,10 @@ def main() -> None:
                         help="decode steps with and without this CPU kernel only")
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, dtype=args.dtype)
+    if args.kernel_ab in PREFILL:
+        prefill_kernel_ab(llm, args.kernel_ab, [512] if args.quick else [128, 512, 2048],
+                          3 if args.quick else 5)
+        return
     if args.kernel_ab:
         decode_kernel_ab(llm, args.kernel_ab, [1, 8] if args.quick else [1, 8, 32, 64],
                          3 if args.quick else 5)

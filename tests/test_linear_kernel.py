@@ -21,9 +21,12 @@ from stallfree.model.linear import (
     PACKED,
     SKINNY_MAX_TOKENS,
     SWITCH,
+    GatedLinear,
     Linear,
+    gated_linear,
     linear,
     pack_weight,
+    silu_mul,
 )
 
 REASON = unavailable_reason()
@@ -231,3 +234,56 @@ def test_amx_operands_are_checked():
         with pytest.raises(RuntimeError, match="AMX"):
             torch.ops.stallfree.amx_linear(torch.randn(2, 32).bfloat16(),
                                            torch.randn(512).bfloat16(), 16)
+
+
+def _within_one_bf16_step(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    return bool(((got.double() - ref.double()).abs()
+                 <= 2 ** -8 * ref.double().abs() + 1e-30).all())
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 300), half_blocks=st.integers(1, 4), k_tiles=st.integers(1, 4),
+       scale=st.sampled_from([0.1, 1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_silu_mul_in_the_amx_epilogue_equals_the_unfused_ops(tokens, half_blocks, k_tiles,
+                                                             scale, seed):
+    """The fused gate/up matmul against the same matmul stored and then torch's SiLU and
+    product: it rounds where they do (each product, the SiLU, the result), so it differs at
+    most by the last bit where the two exponentials round a SiLU apart. Large gates (scale
+    30) reach where e^-x overflows fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    inter, cols = 32 * half_blocks, 32 * k_tiles
+    x = (torch.randn(tokens, cols, generator=gen) * scale).bfloat16()
+    w = torch.randn(2 * inter, cols, generator=gen).bfloat16()
+    packed = pack_weight(w, gated=True)
+    assert packed.layout == "amx_gated"
+    fused = gated_linear(x, w, packed)
+    unfused = silu_mul(linear(x, w, packed=pack_weight(w)))
+    assert fused.shape == (tokens, inter) and fused.dtype == torch.bfloat16
+    assert _within_one_bf16_step(fused, unfused)
+
+
+@needs_amx
+def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypatch):
+    calls = []
+    real = torch.ops.stallfree.amx_linear_silu_mul
+    monkeypatch.setattr(torch.ops.stallfree, "amx_linear_silu_mul",
+                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
+    layer = GatedLinear(64, 2 * 96, bias=False).bfloat16()
+    layer.prepack()
+    assert layer.packed.layout == "amx_gated"
+    for tokens in (1, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(tokens, 64).bfloat16()
+        assert _within_one_bf16_step(layer(x), silu_mul(F.linear(x, layer.weight)))
+    assert calls == [1, 33, AMX_MAX_ROWS]  # more rows: torch's matmul, then the two ops
+    with AMX.within(False):
+        layer(torch.randn(8, 64).bfloat16())
+    assert len(calls) == 3
+    # Halves of a size the gated packing cannot interleave keep the plain packing, unfused.
+    odd = GatedLinear(64, 2 * 48, bias=False).bfloat16()
+    odd.prepack()
+    assert odd.packed.layout == "amx"
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(odd(x), silu_mul(linear(x, odd.weight, packed=odd.packed)))
+    assert len(calls) == 3
+

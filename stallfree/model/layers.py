@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import KernelSwitch
-from .linear import Linear
+from .linear import GatedLinear, Linear
 
 # The CPU kernel of csrc/fused_ops.cpp: residual add + RMSNorm in one pass, for what the
 # torch path below does in 8-10 small ops (whose dispatch, not arithmetic, is a decode
@@ -148,15 +148,10 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        # gate and up fused into one matmul: rows [0, I) are gate, [I, 2I) are up.
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        # gate and up fused into one matmul (rows [0, I) gate, [I, 2I) up) that returns
+        # silu(gate) * up.
+        self.gate_up_proj = GatedLinear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] (gate | up) -> silu(gate) * up [T, I]. Two torch ops: vectorised, they
-        beat a fused scalar loop (csrc/fused_ops.cpp says why)."""
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.silu(gate) * up
+        return self.down_proj(self.gate_up_proj(x))

@@ -62,13 +62,19 @@ def _amx_shape(weight: torch.Tensor) -> bool:
     return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
     """`weight` [out, in] reordered for the AMX kernel where it can run, else for oneDNN's
     matmul; None where neither is used (not a CPU bf16 weight, neither available, or
     their switches off). The copy costs the weight's size again in memory; it is built
-    after loading, so KV sizing sees it."""
+    after loading, so KV sizing sees it. `gated`: the weight is [gate; up] (`gated_linear`),
+    packed for the AMX kernel with its gate and up blocks of 16 rows alternating."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
+    if gated and weight.shape[0] % 64 == 0 and _amx_shape(weight) and amx_available():
+        half = weight.shape[0] // 2
+        blocks = weight.reshape(2, half // 16, 16, weight.shape[1]).transpose(0, 1)
+        return PackedWeight(torch.ops.stallfree.amx_pack(blocks.reshape(weight.shape)),
+                            "amx_gated")
     if _amx_shape(weight) and amx_available():
         return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx")
     if not PACKED.usable() or not torch.backends.mkldnn.is_available():
@@ -106,6 +112,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]. Two torch ops: vectorised, they
+    beat a fused scalar loop (csrc/fused_ops.cpp says why)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
+    """Whether `gated_linear` runs x of `rows` rows in the AMX kernel's fused form."""
+    return (packed is not None and packed.layout == "amx_gated" and rows <= AMX_MAX_ROWS
+            and AMX.enabled)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor,
+                 packed: PackedWeight | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] [2I, in]. From a gated packing,
+    in one AMX pass that never stores the [T, 2I] products: at a 512-token chunk those
+    and the two torch ops reading them back cost as much as the matmul's arithmetic."""
+    if x.dim() == 2 and x.dtype == torch.bfloat16 and fuses_gate(packed, x.shape[0]):
+        return torch.ops.stallfree.amx_linear_silu_mul(x, packed.data, weight.shape[0])
+    plain = packed if packed is not None and packed.layout != "amx_gated" else None
+    return silu_mul(linear(x, weight, None, plain))
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) calling `linear`."""
 
@@ -118,3 +148,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+
+class GatedLinear(Linear):
+    """gate and up projections in one Linear ([gate; up], the checkpoint's fused name) whose
+    forward is `gated_linear`: silu(gate) * up [T, I]."""
+
+    def prepack(self) -> None:
+        self.packed = pack_weight(self.weight, gated=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_linear(x, self.weight, self.packed)

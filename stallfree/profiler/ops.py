@@ -1,8 +1,9 @@
 """Each token-level op of one decoder layer (and the embedding and LM head), by token count.
 
 The ops are the engine's own modules, reached through the model's attributes
-(`model.model.layers[0].self_attn.qkv_proj`, `layer.mlp.act`, ...), so each is timed
-in the kernel the engine runs it in.
+(`model.model.layers[0].self_attn.qkv_proj`, `layer.mlp.gate_up_proj`, ...), so each is
+timed in the kernel the engine runs it in. Where the engine computes SiLU x up inside the
+gate/up matmul (linear.fuses_gate), mlp_up_proj times both and mlp_act is zero.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from ..model.layers import apply_rope
+from ..model.linear import fuses_gate, silu_mul
 from ..sim.profile_csv import stat_columns, time_stats
 from .timing import cpu_ms
 
@@ -49,7 +51,7 @@ def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
            # The engine adds the residual in the norm's pass (add_forward).
            "post_attention_layernorm": lambda: layer.post_attention_layernorm.add_forward(x, y),
            "mlp_up_proj": lambda: layer.mlp.gate_up_proj(x),
-           "mlp_act": lambda: layer.mlp.act(up),
+           "mlp_act": lambda: silu_mul(up),
            "mlp_down_proj": lambda: layer.mlp.down_proj(up[:, :inter]),
            "add": lambda: x + y,
            "lm_head": lambda: model.compute_logits(x)}
@@ -57,6 +59,8 @@ def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
     for op in OPS:
         if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
             row |= {k: "" for k in stat_columns(op, time_stats([0.0]))}
+        elif op == "mlp_act" and fuses_gate(layer.mlp.gate_up_proj.packed, t):
+            row |= stat_columns(op, time_stats([0.0]))
         else:
             row |= stat_columns(op, cpu_ms(fns[op], repeats))
     return row

@@ -33,16 +33,32 @@ constexpr int64_t kRowChunk = 256;     // rows of x kept in L2 per sweep over W
 
 #ifdef STALLFREE_AMX
 
-// One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
-void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
-  alignas(64) float acc[16 * 16];
+inline void store_acc(int tile_index, float* acc) {
   switch (tile_index) {  // tile numbers must be immediates
     case 0: _tile_stored(0, acc, 64); break;
     case 1: _tile_stored(1, acc, 64); break;
     case 2: _tile_stored(2, acc, 64); break;
     default: _tile_stored(3, acc, 64); break;
   }
+}
+
+// One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
+void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
+  alignas(64) float acc[16 * 16];
+  store_acc(tile_index, acc);
   for (int r = 0; r < rows; ++r) store16(out + r * ld, load16(acc + r * 16));
+}
+
+// silu(gate) * up from a gate tile and its up tile, rounded where torch's unfused ops
+// round (each product, the SiLU, the result), into `rows` rows of out.
+void store_gated(int gate_tile, int rows, c10::BFloat16* out, int64_t ld) {
+  alignas(64) float gate[16 * 16], up[16 * 16];
+  store_acc(gate_tile, gate);
+  store_acc(gate_tile + 1, up);
+  for (int r = 0; r < rows; ++r) {
+    const vf g = round_bf16(load16(gate + r * 16));
+    store16(out + r * ld, round_bf16(silu(g)) * round_bf16(load16(up + r * 16)));
+  }
 }
 
 // 16 * RowTiles rows of x (row stride `lda` bytes) against one or two column blocks of W,
@@ -70,11 +86,15 @@ inline void block(const uint8_t* x, int64_t lda, const uint8_t* w0, const uint8_
   }
 }
 
+// Column blocks [col_begin, col_end) against rows [row_begin, row_end). Gated: the blocks
+// alternate gate and up (amx_pack of a `gated` weight), and each pair's silu(gate) * up
+// goes to out's column block c / 2 (out has n / 2 columns).
 template <int RowTiles>
 void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w,
                    int64_t k_tiles, int64_t col_begin, int64_t col_end, int64_t row_begin,
-                   int64_t row_end, c10::BFloat16* out, int64_t n) {
+                   int64_t row_end, c10::BFloat16* out, int64_t n, bool gated) {
   const int64_t block_bytes = k_tiles * kTileBytes;
+  const int64_t ld = gated ? n / 2 : n;
   for (int64_t c = col_begin; c < col_end; c += 2) {
     const bool two = c + 1 < col_end;
     const uint8_t* w0 = w + c * block_bytes;
@@ -88,12 +108,18 @@ void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w
         block<RowTiles, false>(xr, lda, w0, nullptr, k_tiles, next);
       const int valid0 = static_cast<int>(std::min<int64_t>(16, rows - r0));
       const int valid1 = static_cast<int>(std::min<int64_t>(16, rows - r0 - 16));
-      c10::BFloat16* o = out + r0 * n + c * 16;
-      store_tile(0, valid0, o, n);
-      if (two) store_tile(1, valid0, o + 16, n);
+      if (gated) {
+        c10::BFloat16* o = out + r0 * ld + c / 2 * 16;
+        store_gated(0, valid0, o, ld);
+        if (RowTiles == 2 && valid1 > 0) store_gated(2, valid1, o + 16 * ld, ld);
+        continue;
+      }
+      c10::BFloat16* o = out + r0 * ld + c * 16;
+      store_tile(0, valid0, o, ld);
+      if (two) store_tile(1, valid0, o + 16, ld);
       if (RowTiles == 2 && valid1 > 0) {
-        store_tile(2, valid1, o + 16 * n, n);
-        if (two) store_tile(3, valid1, o + 16 * n + 16, n);
+        store_tile(2, valid1, o + 16 * ld, ld);
+        if (two) store_tile(3, valid1, o + 16 * ld + 16, ld);
       }
     }
   }
@@ -130,7 +156,7 @@ at::Tensor amx_pack(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, bool gated) {
   TORCH_CHECK(amx_usable(), "amx_linear: this CPU or build has no usable AMX");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
                   packed.scalar_type() == at::kBFloat16,
@@ -139,7 +165,8 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   TORCH_CHECK(k % 32 == 0 && n % 16 == 0 && packed.numel() == n * k,
               "amx_linear: packed weight of ", packed.numel(), " values does not fit x ",
               x_in.sizes(), " and n = ", n);
-  at::Tensor out = at::empty({rows, n}, x_in.options());
+  TORCH_CHECK(!gated || n % 32 == 0, "amx_linear_silu_mul: n must be a multiple of 32, got ", n);
+  at::Tensor out = at::empty({rows, gated ? n / 2 : n}, x_in.options());
   if (rows == 0) return out;
 #ifdef STALLFREE_AMX
   // Rows padded to whole row tiles with zeros, so every tile load reads real memory.
@@ -166,9 +193,9 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       for (int64_t r = 0; r < padded; r += kRowChunk) {
         const int64_t r_end = std::min(padded, r + kRowChunk);
         if (row_tiles == 1)
-          column_blocks<1>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n);
+          column_blocks<1>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
         else
-          column_blocks<2>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n);
+          column_blocks<2>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
       }
     }
     _tile_release();
@@ -177,15 +204,27 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return out;
 }
 
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return run_linear(x, packed, n, false);
+}
+
+// x @ W.T for W = [gate; up] ([n, K], packed with its 16-row blocks of gate and up
+// alternating), then silu(gate) * up: [M, n / 2], the gate and up products never stored.
+at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return run_linear(x, packed, n, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("amx_usable() -> bool", &amx_usable);
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_linear_silu_mul", &amx_linear_silu_mul);
 }

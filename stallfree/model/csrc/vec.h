@@ -137,6 +137,13 @@ inline vf exp_nonpositive(vf x) {
   return p * reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
+// x * sigmoid(x), with e^-|x| so the exponential never overflows, and one division.
+inline vf silu(vf x) {
+  const vf e = exp_nonpositive(x < 0 ? x : -x);
+  const vf r = (vf{} + 1.f) / (1.f + e);
+  return x * (x >= 0 ? r : e * r);
+}
+
 // The first n (< 16) values of p, zero-padded; and their store. Row tails of any width.
 template <typename T>
 inline vf load_n(const T* p, int n) {
