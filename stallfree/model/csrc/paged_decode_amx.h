@@ -72,15 +72,31 @@ inline void pack_query(const Shape& s, const ColumnTiles& ct, const c10::BFloat1
   }
 }
 
+// Lines of a tile ahead, asked for a few at a time between the work: a burst of all of
+// them at once stalls the core until the line fill buffers drain.
+constexpr int kTrickle = 4;  // lines asked for per V row weighed
+struct Trickle {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 0, lines = 0;
+  inline void step(int n) {
+    for (int i = 0; i < n && next < lines; ++i, ++next) {
+      const char* base = (next & 1) ? v : k;
+      _mm_prefetch(base + (next >> 1) * 64, _MM_HINT_T0);
+    }
+  }
+};
+
 // acc[h] = acc[h] * alpha[h] + sum_t p[t][h] v[t] for NH consecutive query heads of one KV
 // head: `acc` their held outputs (C vectors each), `p` and `alpha` at their first column.
 template <int C, int NH>
 inline void weigh_values(const c10::BFloat16* v, int64_t row_len, int n, const float* p,
-                         const float* alpha, float* acc) {
+                         const float* alpha, float* acc, Trickle& pf) {
   vf a[NH][C];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < C; ++c) a[h][c] = load16(acc + (h * C + c) * kLanes) * alpha[h];
   for (int t = 0; t < n; ++t) {
+    pf.step(kTrickle);
     vf vr[C];
     load_row<c10::BFloat16, C>(v + t * row_len, vr);
     for (int h = 0; h < NH; ++h) {
@@ -94,16 +110,16 @@ inline void weigh_values(const c10::BFloat16* v, int64_t row_len, int n, const f
 
 template <int C>
 void weigh_group(const c10::BFloat16* v, int64_t row_len, int n, const float* p,
-                 const float* alpha, float* acc, int64_t group) {
+                 const float* alpha, float* acc, int64_t group, Trickle& pf) {
   constexpr int kMaxHeads = C >= 8 ? 2 : 4;  // accumulators and a V row stay in registers
   for (int64_t h = 0; h < group; h += kMaxHeads) {
     const int64_t nh = std::min<int64_t>(kMaxHeads, group - h);
     float* a = acc + h * C * kLanes;
     switch (nh) {
-      case 1: weigh_values<C, 1>(v, row_len, n, p + h, alpha + h, a); break;
-      case 2: weigh_values<C, 2>(v, row_len, n, p + h, alpha + h, a); break;
-      case 3: weigh_values<C, 3>(v, row_len, n, p + h, alpha + h, a); break;
-      default: weigh_values<C, 4>(v, row_len, n, p + h, alpha + h, a); break;
+      case 1: weigh_values<C, 1>(v, row_len, n, p + h, alpha + h, a, pf); break;
+      case 2: weigh_values<C, 2>(v, row_len, n, p + h, alpha + h, a, pf); break;
+      case 3: weigh_values<C, 3>(v, row_len, n, p + h, alpha + h, a, pf); break;
+      default: weigh_values<C, 4>(v, row_len, n, p + h, alpha + h, a, pf); break;
     }
   }
 }
@@ -131,11 +147,19 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
   for (int64_t start = item.begin; start < item.end; start += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, item.end - start));
     const int64_t next = start + 16 < item.end ? first_row(start + 16) : -1;
-    if (next >= 0)  // the next tile's 16 rows are contiguous: one block holds them
+    // A tile's 16 rows are contiguous (one block holds them). The next tile was asked for
+    // one tile ago (at the item's start, in a burst); the one after trickles in below.
+    if (next >= 0 && start == item.begin)
       for (int64_t b = 0; b < tile_bytes; b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + b, _MM_HINT_T0);
       }
+    Trickle pf;
+    if (start + 32 < item.end) {
+      const int64_t ahead = first_row(start + 32);
+      pf = {reinterpret_cast<const char*>(k_cache + ahead),
+            reinterpret_cast<const char*>(v_cache + ahead), 0, 2 * tile_bytes / 64};
+    }
     const c10::BFloat16* k = k_cache + row;
     for (int64_t tile = 0; tile < ct.tiles; ++tile) {
       const int64_t kv0 = tile * ct.kv_per_tile;
@@ -173,9 +197,10 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
       for (int64_t kv = kv0; kv < kv1; ++kv) {
         const int64_t col = (kv - kv0) * ct.group;
         weigh_group<C>(v_cache + row + kv * D, row_len, n, scores + col, alpha + col,
-                       out.acc + (h0 + col) * D, ct.group);
+                       out.acc + (h0 + col) * D, ct.group, pf);
       }
     }
+    pf.step(static_cast<int>(pf.lines));  // whatever the work did not reach
     row = next;
   }
 }
