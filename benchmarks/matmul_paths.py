@@ -1,7 +1,7 @@
 """The bf16 matmul paths of stallfree/model/linear.py side by side, on the default model's
 shapes: every layer's four weights (30 layers, 212 MB, read cold), at several row counts.
 
-Run: .venv/bin/python benchmarks/matmul_paths.py [--rows 1 8 32 512] [--rounds 5]
+Run: .venv/bin/python benchmarks/matmul_paths.py [--rows 1 8 32 512] [--rounds 5] [--gated]
 
 Paths, timed in turn within every round (interleaved, so a load change hits them alike):
   amx      csrc/amx_linear.cpp on weights packed for the tile multiply (CPUs with AMX)
@@ -10,6 +10,9 @@ Paths, timed in turn within every round (interleaved, so a load change hits them
   torch    F.linear on the plain weight (oneDNN reorders it at every call)
 Prints the median ms per pass over all 120 matrices, the weight bytes streamed per second
 and the matmul rate, with the CPU's flags.
+--gated: only the MLP's gate/up weights, each followed by SiLU x up: `fused` (the AMX
+kernel with SiLU x up in its epilogue, linear.gated_linear) against `amx+torch` (the AMX
+matmul storing [T, 2I], then torch's two ops, linear.silu_mul).
 """
 from __future__ import annotations
 
@@ -23,7 +26,13 @@ import torch.nn.functional as F
 
 from stallfree.executor.hardware import cpu_flags
 from stallfree.model.kernels import amx_unavailable_reason, unavailable_reason
-from stallfree.model.linear import PACK_HINT_ROWS, SKINNY_MAX_TOKENS
+from stallfree.model.linear import (
+    PACK_HINT_ROWS,
+    SKINNY_MAX_TOKENS,
+    gated_linear,
+    pack_weight,
+    silu_mul,
+)
 from stallfree.model.loader import default_model_path, load_model_config
 
 
@@ -41,23 +50,37 @@ def main() -> None:
                                                             1024, 2048])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--gated", action="store_true",
+                    help="gate/up weights only, SiLU x up fused vs after the matmul")
     args = ap.parse_args()
     torch.manual_seed(0)
     shapes = model_shapes()
+    if args.gated:
+        shapes = shapes[2:3]
     weights = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(args.layers)]
     nbytes = sum(w.nbytes for layer in weights for w in layer)
     paths: dict[str, Callable[[torch.Tensor, int, int], object]] = {}
-    if amx_unavailable_reason() is None:
+    if args.gated:
+        if amx_unavailable_reason() is not None:
+            raise SystemExit(f"--gated needs AMX: {amx_unavailable_reason()}")
+        fused = [[pack_weight(w, gated=True) for w in layer] for layer in weights]
+        plain = [[pack_weight(w) for w in layer] for layer in weights]
+        paths["fused"] = lambda x, i, j: gated_linear(x, weights[i][j], fused[i][j])
+        paths["amx+torch"] = lambda x, i, j: silu_mul(torch.ops.stallfree.amx_linear(
+            x, plain[i][j].data, shapes[j][0]))
+    elif amx_unavailable_reason() is None:
         amx = [[torch.ops.stallfree.amx_pack(w) for w in layer] for layer in weights]
         paths["amx"] = lambda x, i, j: torch.ops.stallfree.amx_linear(x, amx[i][j],
                                                                       shapes[j][0])
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in layer]
-              for layer in weights]
-    paths["onednn"] = lambda x, i, j: torch.ops.mkldnn._linear_pointwise(
-        x, onednn[i][j], None, "none", [], "")
-    if unavailable_reason() is None:
-        paths["skinny"] = lambda x, i, j: torch.ops.stallfree.skinny_linear(x, weights[i][j])
-    paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
+    if not args.gated:
+        onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in layer]
+                  for layer in weights]
+        paths["onednn"] = lambda x, i, j: torch.ops.mkldnn._linear_pointwise(
+            x, onednn[i][j], None, "none", [], "")
+        if unavailable_reason() is None:
+            paths["skinny"] = lambda x, i, j: torch.ops.stallfree.skinny_linear(
+                x, weights[i][j])
+        paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}; "
           f"AMX: {amx_unavailable_reason() or 'yes'}")

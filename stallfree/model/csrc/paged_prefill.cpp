@@ -32,10 +32,6 @@
 #include "amx.h"
 #include "vec.h"
 
-// GCC 12 takes the AVX-512 intrinsics' undefined pass-through operand for an uninitialised
-// variable.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 namespace {
 
 constexpr int64_t kQueries = 16;  // query positions per item: the lanes of a score row

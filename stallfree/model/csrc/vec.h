@@ -3,6 +3,10 @@
 // instruction set's intrinsics: one AVX-512 register, two AVX2 ones.
 #pragma once
 
+// GCC 12 takes the AVX-512 intrinsics' undefined pass-through operand (in the kernels that
+// use them) for an uninitialised variable.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
