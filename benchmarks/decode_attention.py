@@ -107,24 +107,28 @@ class Case:
         cache = self.cache if cache is None else cache
         fn = getattr(torch.ops, namespace).paged_decode
         tables, lens = self.meta.decode_block_tables, self.meta.decode_context_lens
-        # Older revisions (the baseline) had no `tiles` argument.
-        extra = (tiles,) if namespace == "stallfree" else ()
+        # Older revisions (a baseline) had no `tiles` argument.
+        extra = (tiles,) if "tiles" in str(fn.default._schema) else ()
         for i in range(self.layers):
             fn(self.q, cache[i], tables, lens, self.heads[2] ** -0.5, -1, *extra)
 
 
 def build_baseline(rev: str) -> None:
-    """Builds the kernel as it was at git revision `rev` (its source and the header it
-    includes) as op namespace stallfree_baseline."""
+    """Builds the kernel as it was at git revision `rev` (its source and the headers beside
+    it) as op namespace stallfree_baseline."""
     from torch.utils.cpp_extension import load
 
     from stallfree.model.kernels import CFLAGS
 
     folder = Path(tempfile.mkdtemp())
-    for name in ("paged_decode.cpp", "vec.h"):
+    listed = subprocess.run(["git", "ls-tree", "--full-tree", "--name-only", rev,
+                             "stallfree/model/csrc/"],
+                            capture_output=True, text=True, cwd=Path(__file__).parent)
+    headers = [Path(line).name for line in listed.stdout.split() if line.endswith(".h")]
+    for name in ["paged_decode.cpp", *headers]:
         shown = subprocess.run(["git", "show", f"{rev}:stallfree/model/csrc/{name}"],
                                capture_output=True, text=True, cwd=Path(__file__).parent)
-        if shown.returncode == 0:  # older revisions had no vec.h
+        if shown.returncode == 0:
             text = shown.stdout.replace("TORCH_LIBRARY(stallfree,", "TORCH_LIBRARY("
                                         "stallfree_baseline,")
             text = text.replace("TORCH_LIBRARY_IMPL(stallfree,",
