@@ -32,12 +32,17 @@ struct alignas(64) TileConfig {
 };
 
 // Every tile register 16 rows of 64 bytes: 16 fp32 sums, or 32 bf16 values (16 pairs).
-// Per thread; a kernel sets it at the start of its parallel region and releases the tiles
-// at the end, since other libraries (oneDNN) configure their own.
-inline void configure_tiles() {
+// amx_linear.cpp shortens its first row tile's sums and A operand (tiles 0, 1, 4) to
+// `first_rows` and its second's (2, 3, 5) to `second_rows`, so that x needs no padding to
+// whole tiles below 32 rows; tiles 6-7 keep 16. Per thread; a kernel sets it at the start
+// of its parallel region and releases the tiles at the end, since other libraries (oneDNN)
+// configure their own.
+inline void configure_tiles(int first_rows = 16, int second_rows = 16) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
+    cfg.rows[i] = i == 0 || i == 1 || i == 4 ? first_rows
+                  : i < 6                    ? second_rows
+                                             : 16;
     cfg.colsb[i] = 64;
   }
   _tile_loadconfig(&cfg);
