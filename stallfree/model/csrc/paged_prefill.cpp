@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -313,8 +314,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
   const uint16_t* v_cache = k_cache + kv_cache.numel() / 2;
-  // The values in pairs, per chunk, KV head and step of 32 keys.
-  std::vector<uint32_t> pairs(values);
+  // The values in pairs, per chunk, KV head and step of 32 keys; every word is written
+  // below, so the buffer is not zeroed first.
+  std::unique_ptr<uint32_t[]> pairs(new uint32_t[values]);
   std::vector<std::array<int64_t, 3>> copies;  // chunk, KV head, step
   for (int64_t i = 0; i < n; ++i)
     for (int64_t kv = 0; kv < l.kv_heads; ++kv)
@@ -324,7 +326,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
     for (int64_t j = a; j < b; ++j) {
       const auto [i, kv, st] = copies[j];
       const Chunk& c = chunks[i];
-      uint32_t* dst = pairs.data() + c.values +
+      uint32_t* dst = pairs.get() + c.values +
                       (kv * l.steps(c.context_len) + st) * words_per_step;
       copy_values(l, c, v_cache, kv, st, dst);
     }
@@ -352,7 +354,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
       const Chunk& c = chunks[it.chunk];
       const int64_t kv = it.head / (l.heads / l.kv_heads);
       attend_item(l, c, it, qp, k_cache,
-                  pairs.data() + c.values + kv * l.values_per_head(c.context_len) / 2,
+                  pairs.get() + c.values + kv * l.values_per_head(c.context_len) / 2,
                   static_cast<float>(scale), op, scratch);
     }
     _tile_release();
