@@ -95,36 +95,29 @@ def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
     return statistics.median(rates)
 
 
-def decode_kernel_ab(llm: LLM, name: str, batches: list[int], rounds: int) -> None:
-    """Decode step time at 512-token contexts, kernel vs its torch path, interleaved."""
-    print(f"decode step, 512-token contexts, {llm.engine.dtype}, "
-          f"{torch.get_num_threads()} threads; {name}: median of {rounds} interleaved rounds")
-    print("| batch | torch path ms/step | kernel ms/step | speed-up |\n|---|---|---|---|")
-    for batch in batches:
-        times: dict[bool, list[float]] = {True: [], False: []}
+def kernel_ab(llm: LLM, name: str, sizes: list[int], rounds: int) -> None:
+    """One kernel against its torch path, rounds interleaved: prefill tokens/s of a
+    2048-token prompt at each chunk size (a prefill kernel), else the decode step time at
+    512-token contexts at each batch size."""
+    prefill = name in PREFILL
+    what = "prefill, 2048-token prompt in chunks" if prefill else "decode step, 512-token contexts"
+    unit = "tok/s" if prefill else "ms/step"
+    print(f"{what}, {llm.engine.dtype}, {torch.get_num_threads()} threads; {name}: median of "
+          f"{rounds} interleaved rounds")
+    print(f"| {'chunk' if prefill else 'batch'} | torch path {unit} | kernel {unit} | speed-up |"
+          "\n|---|---|---|---|")
+    for size in sizes:
+        values: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
                 with SWITCHES[name].within(on):
                     if name in REPACK:
                         llm.engine.executor.model.prepack()
-                    times[on].append(decode_step_seconds(llm, batch, 512, steps=8))
-        old, new = (statistics.median(times[k]) * 1e3 for k in (False, True))
-        print(f"| {batch} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)
-
-
-def prefill_kernel_ab(llm: LLM, name: str, chunks: list[int], rounds: int) -> None:
-    """Prefill tokens/s of a 2048-token prompt in chunks, kernel vs its torch path."""
-    print(f"prefill, 2048-token prompt in chunks, {llm.engine.dtype}, "
-          f"{torch.get_num_threads()} threads; {name}: median of {rounds} interleaved rounds")
-    print("| chunk | torch path tok/s | kernel tok/s | speed-up |\n|---|---|---|---|")
-    for chunk in chunks:
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(rounds):
-            for on in (False, True):
-                with SWITCHES[name].within(on):
-                    rates[on].append(prefill_tokens_per_second(llm, chunk, 2048))
-        old, new = (statistics.median(rates[k]) for k in (False, True))
-        print(f"| {chunk} | {old:.0f} | {new:.0f} | {new / old:.2f}x |", flush=True)
+                    values[on].append(prefill_tokens_per_second(llm, size, 2048) if prefill
+                                      else decode_step_seconds(llm, size, 512, steps=8) * 1e3)
+        old, new = (statistics.median(values[k]) for k in (False, True))
+        print(f"| {size} | {old:.1f} | {new:.1f} | {new / old if prefill else old / new:.2f}x |",
+              flush=True)
 
 
 def main() -> None:
@@ -136,12 +129,12 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, dtype=args.dtype)
     if args.kernel_ab in PREFILL:
-        prefill_kernel_ab(llm, args.kernel_ab, [512] if args.quick else [128, 512, 2048],
-                          3 if args.quick else 5)
+        kernel_ab(llm, args.kernel_ab, [512] if args.quick else [128, 512, 2048],
+                  3 if args.quick else 5)
         return
     if args.kernel_ab:
-        decode_kernel_ab(llm, args.kernel_ab, [1, 8] if args.quick else [1, 8, 32, 64],
-                         3 if args.quick else 5)
+        kernel_ab(llm, args.kernel_ab, [1, 8] if args.quick else [1, 8, 32, 64],
+                  3 if args.quick else 5)
         return
     engine = llm.engine
     device, dtype = engine.device, engine.dtype

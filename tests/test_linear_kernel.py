@@ -195,12 +195,18 @@ def test_amx_runs_the_model_shapes_and_strided_rows():
             assert ((out - x.double() @ w.double().t()).abs() <= _bound(x, w)).all()
 
 
+def _rows_of_calls(monkeypatch, op: str) -> list[int]:
+    """The rows of x of every call to torch.ops.stallfree.<op> from now on, in order."""
+    calls: list[int] = []
+    real = getattr(torch.ops.stallfree, op)
+    monkeypatch.setattr(torch.ops.stallfree, op,
+                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
+    return calls
+
+
 @needs_amx
 def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit(monkeypatch):
-    calls = []
-    real = torch.ops.stallfree.amx_linear
-    monkeypatch.setattr(torch.ops.stallfree, "amx_linear",
-                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
+    calls = _rows_of_calls(monkeypatch, "amx_linear")
     layer = Linear(64, 48, bias=True).bfloat16()
     layer.prepack()
     assert layer.packed.layout == "amx"
@@ -265,10 +271,7 @@ def test_silu_mul_in_the_amx_epilogue_equals_the_unfused_ops(tokens, half_blocks
 
 @needs_amx
 def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypatch):
-    calls = []
-    real = torch.ops.stallfree.amx_linear_silu_mul
-    monkeypatch.setattr(torch.ops.stallfree, "amx_linear_silu_mul",
-                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
+    calls = _rows_of_calls(monkeypatch, "amx_linear_silu_mul")
     layer = GatedLinear(64, 2 * 96, bias=False).bfloat16()
     layer.prepack()
     assert layer.packed.layout == "amx_gated"
