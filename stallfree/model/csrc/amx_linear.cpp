@@ -11,9 +11,11 @@
 // of k values for each of its 16 columns ([N/16][K/32][16][16][2]). A thread walks its
 // share of column blocks two at a time against 16 or 32 rows of x: four fp32 accumulator
 // tiles, two of x, two of W (all eight tile registers). W is read in one sequential run
-// per thread, which the hardware prefetcher streams on its own: software prefetches of the
-// next pair, spread over this pair's work, made 1-128 rows 1.15x slower. Rows of x beyond
-// 256 are taken in chunks so that they stay in L2 while a pair of W blocks is reused from L1. Accumulation is fp32 and the
+// per thread. Up to 16 rows the hardware prefetcher streams it on its own (software
+// prefetches of the next pair made those 1.15x slower); from 32 rows, the next pair is
+// prefetched into L2 while this one runs, which kept a served batch of 32 decodes 1.2x
+// faster with a client process on the same cores. Rows of x beyond 256 are taken in
+// chunks so that they stay in L2 while a pair of W blocks is reused from L1. Accumulation is fp32 and the
 // result is rounded to bf16 once, as torch's bf16 matmul does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -83,12 +85,16 @@ void store_gated(int gate_tile, int rows, c10::BFloat16* out, int64_t ld) {
 // whose tiles start at w0 and w1; the sums stay in tiles 0-1 (row tile 0) and 2-3.
 template <int RowTiles, bool Two>
 inline void block(const uint8_t* x, int64_t lda, const uint8_t* w0, const uint8_t* w1,
-                  int64_t k_tiles) {
+                  int64_t k_tiles, const uint8_t* prefetch) {
   _tile_zero(0);
   if (Two) _tile_zero(1);
   if (RowTiles == 2) _tile_zero(2);
   if (RowTiles == 2 && Two) _tile_zero(3);
   for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    if (prefetch != nullptr) {
+      const char* p = reinterpret_cast<const char*>(prefetch + kb * 2 * kTileBytes);
+      for (int line = 0; line < 2 * kTileBytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T1);
+    }
     _tile_loadd(4, x + kb * 64, lda);
     if (RowTiles == 2) _tile_loadd(5, x + 16 * lda + kb * 64, lda);
     _tile_loadd(6, w0 + kb * kTileBytes, 64);
@@ -113,11 +119,15 @@ void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w
     const bool two = c + 1 < col_end;
     const uint8_t* w0 = w + c * block_bytes;
     for (int64_t r0 = row_begin; r0 < row_end; r0 += 16 * RowTiles) {
+      // From 32 rows, the next pair on the first sweep only: later row groups reuse this one.
+      const uint8_t* next = RowTiles == 2 && r0 == row_begin && c + 2 < col_end
+                                ? w0 + 2 * block_bytes
+                                : nullptr;
       const uint8_t* xr = x + r0 * lda;
       if (two)
-        block<RowTiles, true>(xr, lda, w0, w0 + block_bytes, k_tiles);
+        block<RowTiles, true>(xr, lda, w0, w0 + block_bytes, k_tiles, next);
       else
-        block<RowTiles, false>(xr, lda, w0, nullptr, k_tiles);
+        block<RowTiles, false>(xr, lda, w0, nullptr, k_tiles, next);
       const int valid0 = static_cast<int>(std::min<int64_t>(16, rows - r0));
       const int valid1 = static_cast<int>(std::min<int64_t>(16, rows - r0 - 16));
       if (gated) {
