@@ -144,12 +144,14 @@ class DistributedExecutor:
     def _check(self) -> None:
         """Raises WorkerError (after stopping every worker) if any worker failed."""
         failure = None
-        # A dead process is the root cause; the survivors' errors only echo it.
-        for rank, proc in enumerate(self.procs):
-            if proc.poll() is not None:
-                failure = f"worker rank {rank} (pid {proc.pid}) exited with code " \
-                          f"{proc.returncode}"
-                break
+        # A dead process is the root cause; the survivors' errors only echo it. A killed
+        # rank's peers may exit on their own (gloo's broken connection) before this check
+        # sees either, so every dead rank is named, those killed by a signal first.
+        dead = [(rank, proc) for rank, proc in enumerate(self.procs) if proc.poll() is not None]
+        if dead:
+            dead.sort(key=lambda item: item[1].returncode >= 0)
+            failure = "; ".join(f"worker rank {rank} (pid {proc.pid}) exited with code "
+                                f"{proc.returncode}" for rank, proc in dead)
         if failure is None and self.channel.has("error"):
             failure = self.channel.read("error", str)
         if failure is None:
