@@ -11,12 +11,13 @@
 // of k values for each of its 16 columns ([N/16][K/32][16][16][2]). A thread walks its
 // share of column blocks two at a time against 16 or 32 rows of x: four fp32 accumulator
 // tiles, two of x, two of W (all eight tile registers). W is read in one sequential run
-// per thread. Up to 16 rows the hardware prefetcher streams it on its own (software
-// prefetches of the next pair made those 1.15x slower); from 32 rows, the next pair is
-// prefetched into L2 while this one runs, which kept a served batch of 32 decodes 1.2x
-// faster with a client process on the same cores. Rows of x beyond 256 are taken in
-// chunks so that they stay in L2 while a pair of W blocks is reused from L1. Accumulation is fp32 and the
-// result is rounded to bf16 once, as torch's bf16 matmul does.
+// per thread. Up to 16 rows (one row tile) the hardware prefetcher streams it on its own:
+// software prefetches of the next pair made those 1.15x slower. With two row tiles the
+// next pair is prefetched into L2 while this one runs: without that, served runs of 32
+// decodes beside the client process measured 436-463 output tok/s, with it 473-512
+// (docs/benchmarks.md). Rows of x beyond 256 are taken in chunks so that they stay in L2
+// while a pair of W blocks is reused from L1. Accumulation is fp32 and the result is
+// rounded to bf16 once, as torch's bf16 matmul does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -119,7 +120,7 @@ void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w
     const bool two = c + 1 < col_end;
     const uint8_t* w0 = w + c * block_bytes;
     for (int64_t r0 = row_begin; r0 < row_end; r0 += 16 * RowTiles) {
-      // From 32 rows, the next pair on the first sweep only: later row groups reuse this one.
+      // Two row tiles: the next pair, on the first sweep only (later row groups reuse this).
       const uint8_t* next = RowTiles == 2 && r0 == row_begin && c + 2 < col_end
                                 ? w0 + 2 * block_bytes
                                 : nullptr;
