@@ -59,8 +59,7 @@ class AttentionMetadata:
     num_prefill_tokens: int  # rows [0, num_prefill_tokens) are prefill chunks
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # keys a chunk sees: cached tokens before it + its own length
-    prefill_block_tables: list[torch.Tensor]  # int64 per chunk
-    prefill_table: torch.Tensor  # [chunks, max_blocks] int64: the same, padded
+    prefill_table: torch.Tensor  # [chunks, max_blocks] int64: each chunk's block table, padded
     decode_context_lens: torch.Tensor  # [B] int64, includes the new token
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded
     block_size: int
@@ -131,8 +130,6 @@ class AttentionMetadata:
             num_prefill_tokens=sum(n for _, n, _ in prefills),
             prefill_query_lens=[n for _, n, _ in prefills],
             prefill_context_lens=[s + n for s, n, _ in prefills],
-            prefill_block_tables=[torch.as_tensor(t, dtype=torch.int64).to(device)
-                                  for _, _, t in prefills],
             prefill_table=tables[:len(prefills)].contiguous().to(device),
             decode_context_lens=torch.tensor([s + 1 for s, _, _ in decodes],
                                              dtype=torch.int64).to(device),
@@ -156,7 +153,7 @@ class AttentionMetadata:
         if self.prefill_kernel_lens is None and self.prefill_gather_blocks is None:
             self.prefill_gather_blocks, self.prefill_masks = [], []
             for qlen, ctx, table in zip(self.prefill_query_lens, self.prefill_context_lens,
-                                        self.prefill_block_tables):
+                                        self.prefill_table):
                 if ctx == qlen:
                     self.prefill_gather_blocks.append(None)
                     self.prefill_masks.append(None)
@@ -203,31 +200,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     meta.prepare(kv_cache)
 
-    outputs: list[torch.Tensor] = []
-    row = 0
+    row = meta.num_prefill_tokens
     if meta.prefill_kernel_lens is not None:
-        row = meta.num_prefill_tokens
-        outputs.append(prefill_kernel.paged_prefill(
+        outputs = [prefill_kernel.paged_prefill(
             q[:row].to(kv_cache.dtype), kv_cache, meta.prefill_table,
-            *meta.prefill_kernel_lens, scale).to(q.dtype))
-    for i, qlen in enumerate(meta.prefill_query_lens if row == 0 else ()):
-        # [1, H, L, D] views for SDPA.
-        qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
-        blocks = meta.prefill_gather_blocks[i]
-        if blocks is None:
-            ki = k[row:row + qlen].transpose(0, 1).unsqueeze(0)
-            vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-        else:
-            ctx = meta.prefill_context_lens[i]
-            ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                      for kv in meta.workspace.gather(kv_cache, blocks))
-            mask = meta.prefill_masks[i]
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask.to(q.dtype),
-                                                 scale=scale, enable_gqa=True)
-        outputs.append(out[0].transpose(0, 1))
-        row += qlen
+            *meta.prefill_kernel_lens, scale).to(q.dtype)]
+    else:
+        outputs = _sdpa_prefills(q, k, v, kv_cache, meta, scale)
 
     num_decodes = q.shape[0] - row
     if num_decodes > 0 and usable(kv_cache):
@@ -245,6 +224,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             outputs.append(out)
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _sdpa_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> list[torch.Tensor]:
+    """The reference path for the batch's prefill chunks: one SDPA call each, over its own
+    K/V or, with a cached prefix, over its gathered context and causal mask."""
+    outputs, row = [], 0
+    for i, qlen in enumerate(meta.prefill_query_lens):
+        # [1, H, L, D] views for SDPA.
+        qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
+        blocks = meta.prefill_gather_blocks[i]
+        if blocks is None:
+            ki = k[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            ctx = meta.prefill_context_lens[i]
+            ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      for kv in meta.workspace.gather(kv_cache, blocks))
+            mask = meta.prefill_masks[i]
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask.to(q.dtype),
+                                                 scale=scale, enable_gqa=True)
+        outputs.append(out[0].transpose(0, 1))
+        row += qlen
+    return outputs
 
 
 def call_cap_bytes_per_token(kv_cache: torch.Tensor) -> int:

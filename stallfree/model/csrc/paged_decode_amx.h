@@ -149,11 +149,11 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
     const int64_t next = start + 16 < item.end ? first_row(start + 16) : -1;
     // A tile's 16 rows are contiguous (one block holds them). The next tile was asked for
     // one tile ago (at the item's start, in a burst); the one after trickles in below.
-    if (next >= 0 && start == item.begin)
-      for (int64_t b = 0; b < tile_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + b, _MM_HINT_T0);
-      }
+    if (next >= 0 && start == item.begin) {
+      Trickle burst{reinterpret_cast<const char*>(k_cache + next),
+                    reinterpret_cast<const char*>(v_cache + next), 0, 2 * tile_bytes / 64};
+      burst.step(static_cast<int>(burst.lines));
+    }
     Trickle pf;
     if (start + 32 < item.end) {
       const int64_t ahead = first_row(start + 32);
