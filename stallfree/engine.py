@@ -140,7 +140,7 @@ class LLMEngine:
         self.executor.reset_kv(num_blocks, cache_config.block_size)
         if scheduler_config.tbt_slo is not None and self.cost is None:
             self.cost = calibrate(self.executor, num_blocks, cache_config.block_size,
-                                  self.max_model_len)
+                                  self.max_model_len, scheduler_config.token_budget)
             logger.info("tbt_slo: iteration cost calibrated: %s", self.cost.describe())
         self.scheduler = make_scheduler(scheduler_config, self.block_manager, self.cost)
         self._groups: dict[str, RequestGroup] = {}

@@ -107,6 +107,25 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+# A lone chunk within this share of the lowest time per token measured counts as efficient.
+EFFICIENT_TOLERANCE = 0.02
+
+
+def efficient_chunk(seconds_per_chunk: dict[int, float],
+                    tolerance: float = EFFICIENT_TOLERANCE) -> int:
+    """The fewest new tokens of a lone chunk whose time per token is within `tolerance`
+    of the lowest among the measured sizes (chunk size -> seconds).
+
+    Past that size a larger chunk buys no throughput, only a longer iteration: the
+    decodes beside it wait longer and the requests queued behind it start later.
+    """
+    if not seconds_per_chunk:
+        raise ValueError("efficient_chunk needs at least one measured chunk size")
+    per_token = {n: t / n for n, t in seconds_per_chunk.items() if n > 0}
+    best = min(per_token.values())
+    return min(n for n, v in per_token.items() if v <= best * (1 + tolerance))
+
+
 def fit_least_squares(samples: Sequence[tuple[Sequence[float], float]],
                       ridge: float = 1e-6) -> tuple[float, ...]:
     """Non-negative coefficients (natural units) fitting (feature vector, seconds) samples.
@@ -144,6 +163,8 @@ class OnlineCost:
     """
 
     coefficients: tuple[float, ...]
+    # Most prefill tokens per iteration worth computing (`efficient_chunk`); None: no cap.
+    efficient_tokens: int | None = None
     forget: float = 0.999
     prior_weight: float = 10.0
     num_observed: int = field(default=0, init=False)
@@ -178,4 +199,5 @@ class OnlineCost:
         self.num_observed += 1
 
     def describe(self) -> dict[str, float]:
-        return dict(zip(FEATURES, self.coefficients))
+        return dict(zip(FEATURES, self.coefficients)) | {
+            "efficient_tokens": self.efficient_tokens}

@@ -18,6 +18,8 @@ iteration (the simulator predicts with a fit of its cost model).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import SchedulerConfig
 from ..request import Request
 from .base import Batch
@@ -57,6 +59,9 @@ class SloSarathiScheduler(SarathiScheduler):
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  cost: OnlineCost) -> None:
+        if cost.efficient_tokens:
+            config = dataclasses.replace(
+                config, token_budget=min(config.token_budget, cost.efficient_tokens))
         super().__init__(config, block_manager)
         assert config.tbt_slo is not None
         self.cost = cost

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 
-from ..scheduler.cost_fit import BatchFeatures, OnlineCost, fit_least_squares
+from ..scheduler.cost_fit import BatchFeatures, OnlineCost, efficient_chunk, fit_least_squares
 from .cost_model import BatchShape, CostModel
 
 _CHUNKS = (16, 64, 256, 1024, 4096)
 _CACHED = (0, 512, 2048)
 _BATCHES = (1, 8, 32, 128)
 _CONTEXTS = (128, 1024, 4096)
+_CHUNK_STEP = 128  # lone chunk sizes probed for the efficient one
 
 
 def _shapes(max_tokens: int, max_context: int) -> list[BatchShape]:
@@ -33,9 +34,13 @@ def _shapes(max_tokens: int, max_context: int) -> list[BatchShape]:
 
 def fit_cost_model(cost: CostModel, max_tokens: int, max_context: int) -> OnlineCost:
     """`OnlineCost` fitted to `cost`'s latency through every stage, for batches of up to
-    `max_tokens` tokens per chunk and contexts of up to `max_context` tokens."""
+    `max_tokens` tokens per chunk (or the efficient chunk size, if smaller: no larger
+    iteration runs) and contexts of up to `max_context` tokens."""
+    sizes = range(_CHUNK_STEP, max(max_tokens, _CHUNK_STEP) + 1, _CHUNK_STEP)
+    efficient = efficient_chunk(
+        {n: cost.iteration(BatchShape.prefill(n)).total(cost.pp) for n in sizes})
     samples = []
-    for shape in _shapes(max_tokens, max_context):
+    for shape in _shapes(min(max_tokens, efficient), max_context):
         features = BatchFeatures.of_shape(shape.prefills, shape.decode_contexts)
         samples.append((features.vector(), cost.iteration(shape).total(cost.pp)))
-    return OnlineCost(fit_least_squares(samples))
+    return OnlineCost(fit_least_squares(samples), efficient)
