@@ -22,8 +22,13 @@ from statistics import median
 
 from ..request import Request
 from ..sampling_params import SamplingParams
-from ..scheduler.cost_fit import (EFFICIENT_TOLERANCE, BatchFeatures, OnlineCost,
-                                  efficient_chunk, fit_least_squares)
+from ..scheduler.cost_fit import (
+    EFFICIENT_TOLERANCE,
+    BatchFeatures,
+    OnlineCost,
+    efficient_chunk,
+    fit_least_squares,
+)
 from ..scheduler.output import ScheduledChunk, SchedulerOutput
 from .base import Executor
 
