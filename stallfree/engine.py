@@ -139,9 +139,11 @@ class LLMEngine:
                                           cache_config.enable_prefix_caching, namespace)
         self.executor.reset_kv(num_blocks, cache_config.block_size)
         if scheduler_config.tbt_slo is not None and self.cost is None:
+            started = time.perf_counter()
             self.cost = calibrate(self.executor, num_blocks, cache_config.block_size,
                                   self.max_model_len, scheduler_config.token_budget)
-            logger.info("tbt_slo: iteration cost calibrated: %s", self.cost.describe())
+            logger.info("tbt_slo: iteration cost calibrated in %.1f s: %s",
+                        time.perf_counter() - started, self.cost.describe())
         self.scheduler = make_scheduler(scheduler_config, self.block_manager, self.cost)
         self._groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
