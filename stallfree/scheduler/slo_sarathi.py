@@ -7,7 +7,10 @@ work predicted to fit within `tbt_slo x tbt_slo_margin`:
 - every running decode is kept, as in plain sarathi (stall-free: a decode is never
   dropped to make room, even when the decodes alone overrun the target);
 - each prefill chunk gets the largest token count whose predicted iteration time
-  still fits, with `token_budget` (--max-num-batched-tokens) as an upper cap;
+  still fits, with `token_budget` (--max-num-batched-tokens) as an upper cap, lowered
+  to the cost model's efficient chunk: past that size an iteration computes no
+  faster per token (measured), it only makes the decodes beside it and the requests
+  queued behind it wait longer;
 - a waiting request is admitted only if the decode batch it joins (every running
   request plus it, each at its current length) is predicted to fit, so admission
   does not build a decode batch the SLO cannot carry. With nothing running a
