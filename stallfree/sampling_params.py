@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated at construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,9 @@ class SamplingParams:
     # Constrained decoding: a JSON schema, regex, choice or grammar the output must match
     # (a StructuredOutputs, or a dict of its fields such as {"regex": "[0-9]+"}).
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
+    # This request's own time-between-tokens target in seconds (an engine with tbt_slo
+    # only): every iteration it decodes in keeps to the tightest target among its requests.
+    tbt_slo: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -82,6 +86,8 @@ class SamplingParams:
               "presence_penalty", "must be in [-2, 2]")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               "frequency_penalty", "must be in [-2, 2]")
+        check(self.tbt_slo is None or (_is_num(self.tbt_slo) and 0 < self.tbt_slo < math.inf),
+              "tbt_slo", "must be a positive number of seconds or None")
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
               "must be a StructuredOutputs or a dict of its fields")

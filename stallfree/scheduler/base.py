@@ -129,7 +129,14 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
             raise ValueError(f"request {rid!r} is not new (status {request.status.value}, "
                              f"{request.num_computed_tokens} tokens computed)")
+        self._check_slo(request.sampling_params.tbt_slo)
         self._check_fits(request)
+
+    def _check_slo(self, tbt_slo: float | None) -> None:
+        """Rejects a request's own TBT SLO: only the SLO policy can keep one."""
+        if tbt_slo is not None:
+            raise ValueError("tbt_slo on a request needs an engine started with a TBT SLO "
+                             "(--tbt-slo): this one has a fixed token budget")
 
     def _check_fits(self, request: Request) -> None:
         """Rejects a request the cache could never carry to its end.

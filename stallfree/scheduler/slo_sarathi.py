@@ -16,6 +16,11 @@ work predicted to fit within `tbt_slo x tbt_slo_margin`:
   does not build a decode batch the SLO cannot carry. With nothing running a
   request is admitted whatever its length, so none waits forever.
 
+A request may carry its own `tbt_slo` (SamplingParams, or the extra field of both
+OpenAI endpoints): each iteration keeps to the tightest target among the requests that
+decode in it, and a request is admitted only if the batch it joins fits its own target
+too. One that no iteration could meet is refused when it arrives.
+
 The prediction is `cost_fit.OnlineCost`, which the engine refines from each measured
 iteration (the simulator predicts with a fit of its cost model).
 """
@@ -68,30 +73,47 @@ class SloSarathiScheduler(SarathiScheduler):
         super().__init__(config, block_manager)
         assert config.tbt_slo is not None
         self.cost = cost
-        self.target = config.tbt_slo * config.tbt_slo_margin
+        self.target = config.tbt_slo * config.tbt_slo_margin  # the engine's own
+        self._iteration_target = self.target
         # An SLO no iteration can meet would stall every request: refuse it up front.
-        one_token = cost.predict(BatchFeatures().with_chunk(0, 1))
-        if one_token > self.target:
+        self._check_slo(config.tbt_slo)
+
+    def _check_slo(self, tbt_slo: float | None) -> None:
+        if tbt_slo is None:
+            return
+        one_token = self.cost.predict(BatchFeatures().with_chunk(0, 1))
+        target = tbt_slo * self.config.tbt_slo_margin
+        if one_token > target:
             raise ValueError(
-                f"tbt_slo={config.tbt_slo} s is unreachable: an iteration of one token is "
+                f"tbt_slo={tbt_slo} s is unreachable: an iteration of one token is "
                 f"predicted to take {one_token:.4g} s, more than tbt_slo x tbt_slo_margin "
-                f"({config.tbt_slo_margin}) = {self.target:.4g} s")
+                f"({self.config.tbt_slo_margin}) = {target:.4g} s")
+
+    def _target_of(self, request: Request) -> float:
+        own = request.sampling_params.tbt_slo
+        return self.target if own is None else min(self.target,
+                                                   own * self.config.tbt_slo_margin)
 
     def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
+        # The tightest SLO among the requests that decode in this iteration.
+        self._iteration_target = min((self._target_of(r) for r in self.running
+                                      if not r.is_prefill), default=self.target)
         out = super().schedule(now, busy)
         decodes = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks
                                           if not c.is_prefill)
         # The budget this iteration had: its decodes plus the most tokens of a fresh
         # (uncached) chunk that fit; chunks after a cached prefix get somewhat fewer.
         out.token_budget = decodes.decodes + largest_fit(
-            self.cost, decodes, 0, self.config.token_budget - decodes.decodes, self.target)
+            self.cost, decodes, 0, self.config.token_budget - decodes.decodes,
+            self._iteration_target)
         out.predicted_time = self.cost.predict(
             BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks))
         return out
 
     def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
         base = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in batch.chunks.values())
-        fit = largest_fit(self.cost, base, start, min(wanted, batch.budget_left), self.target)
+        fit = largest_fit(self.cost, base, start, min(wanted, batch.budget_left),
+                          self._iteration_target)
         # An iteration must compute something: alone, a chunk gets a token even if the
         # model (drifted since the start-up check) predicts that one token overruns.
         return max(fit, 1) if not batch.chunks and batch.budget_left else fit
@@ -104,4 +126,6 @@ class SloSarathiScheduler(SarathiScheduler):
         joined = BatchFeatures(decodes=len(self.running) + 1,
                                decode_context=sum(r.num_tokens for r in self.running)
                                + request.num_tokens)
-        return self.cost.predict(joined) <= self.target
+        # The batch it joins keeps to its own SLO too, from its first decode on.
+        return self.cost.predict(joined) <= min(self._iteration_target,
+                                                self._target_of(request))

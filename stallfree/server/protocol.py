@@ -83,6 +83,9 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
+    # stallfree's own: this request's time-between-tokens target in seconds (a server
+    # started with --tbt-slo keeps every iteration it decodes in within it).
+    tbt_slo: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -100,7 +103,8 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
-            logprobs=logprobs, structured_outputs=constraint or self.constraint())
+            logprobs=logprobs, structured_outputs=constraint or self.constraint(),
+            tbt_slo=self.tbt_slo)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1),
                               ("min_p", 0.0), ("repetition_penalty", 1.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
