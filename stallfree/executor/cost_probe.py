@@ -48,6 +48,7 @@ _PROBES: tuple[tuple[tuple[float, float], ...], ...] = (
     ((1 / 4, 0.0), *((_DECODE, 1 / 4) for _ in range(8))),
 )
 _REPEATS = 3  # the median of each probe's times; one extra warm-up run of each first
+_LONE_REPEATS = 5  # lone chunks are told apart by ~1%: more runs for their medians
 _LONGEST = 512  # tokens of context at most (fewer when the KV cache or model is smaller)
 
 
@@ -87,7 +88,7 @@ def _lone_chunks(executor: Executor, limit: int, block_size: int) -> dict[int, f
     worse = 0
     for n in _chunk_sizes(limit):
         out = _probe_batch(((1.0, 0.0),), n, list(range(-(-n // block_size))))
-        seconds[n] = _time(executor, out, _REPEATS)
+        seconds[n] = _time(executor, out, _LONE_REPEATS)
         best = min(t / k for k, t in seconds.items())
         worse = worse + 1 if seconds[n] / n > best * (1 + EFFICIENT_TOLERANCE) else 0
         if worse == 2:
