@@ -90,6 +90,8 @@ class LLMEngine:
         to a `stallfree profile` result); None calibrates one at start-up."""
         self.config = config = config or EngineConfig()
         self.cost: OnlineCost | None = cost_seed
+        # The last iteration's features and start, observed once the next one starts.
+        self._unobserved: tuple[BatchFeatures, float, float] | None = None
         self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
         threads = resolve_threads(config.threads, os.environ.get("OMP_NUM_THREADS"),
                                   available_cores())
@@ -251,6 +253,7 @@ class LLMEngine:
             output = next_micro_batch(self.scheduler, start, busy, len(self._in_flight))
             if output is None:
                 break
+            self._observe_period(start)
             record = output.iteration_record(start)
             self._matchers.fill_bitmask(output)
             self.executor.submit(output)
@@ -274,9 +277,9 @@ class LLMEngine:
         if self.cost is not None and self.executor.depth == 1:
             # The SLO's model follows this machine: every completed iteration refines it
             # (under PP, end - start would include the wait behind other micro-batches).
-            self.cost.observe(BatchFeatures.of_shape(record.prefill_chunks,
-                                                     record.decode_contexts),
-                              end - record.start)
+            self._unobserved = (BatchFeatures.of_shape(record.prefill_chunks,
+                                                       record.decode_contexts),
+                                record.start, end)
         outputs = []
         for c in output.chunks:
             # A chunk that ends mid-prompt produced nothing to report.
@@ -292,7 +295,24 @@ class LLMEngine:
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
                 finished.append(self._release(out.request_id))
+        if not self.has_unfinished_requests():
+            self._observe_period(None)
         return StepResult(outputs, finished, record, failed)
+
+    def _observe_period(self, next_start: float | None) -> None:
+        """Refines the SLO's model with the last iteration, as the time from its start to
+        the start of the next one (`next_start`): a decode waits that long between two
+        tokens, its output's handling (detokenizing, streaming, a client on the same
+        core) included. A gap longer than the iteration itself means the engine sat
+        idle, and without a next one (None) the iteration's own time is all there is."""
+        if self._unobserved is None:
+            return
+        features, start, end = self._unobserved
+        self._unobserved = None
+        period = end - start
+        if next_start is not None and next_start - end < period:
+            period = next_start - start
+        self.cost.observe(features, period)
 
     def _fail(self, child_id: str, reason: str, failed: dict[str, str]) -> None:
         """Ends the request owning sequence `child_id` (all its sequences) after an error of
