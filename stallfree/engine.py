@@ -39,6 +39,7 @@ from .outputs import (
     StepOutput,
     StepResult,
     TokenLogprobs,
+    iteration_period,
 )
 from .request import RequestStatus
 from .request_group import RequestGroup
@@ -300,19 +301,14 @@ class LLMEngine:
         return StepResult(outputs, finished, record, failed)
 
     def _observe_period(self, next_start: float | None) -> None:
-        """Refines the SLO's model with the last iteration, as the time from its start to
-        the start of the next one (`next_start`): a decode waits that long between two
-        tokens, its output's handling (detokenizing, streaming, a client on the same
-        core) included. A gap longer than the iteration itself means the engine sat
-        idle, and without a next one (None) the iteration's own time is all there is."""
-        if self._unobserved is None:
+        """Refines the SLO's model with the last iteration's period up to `next_start`
+        (`iteration_period`): a decode waits that long between two tokens, its output's
+        handling (detokenizing, streaming, a client on the same core) included."""
+        if self._unobserved is None or self.cost is None:
             return
         features, start, end = self._unobserved
         self._unobserved = None
-        period = end - start
-        if next_start is not None and next_start - end < period:
-            period = next_start - start
-        self.cost.observe(features, period)
+        self.cost.observe(features, iteration_period(start, end, next_start))
 
     def _fail(self, child_id: str, reason: str, failed: dict[str, str]) -> None:
         """Ends the request owning sequence `child_id` (all its sequences) after an error of

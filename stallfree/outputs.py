@@ -78,6 +78,16 @@ class StepOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when requested
 
 
+def iteration_period(start: float, end: float, next_start: float | None) -> float:
+    """How long an iteration held its decodes: from its start to the next iteration's
+    start, the handling of its outputs included. A gap longer than the iteration itself
+    means the engine sat idle, and without a next iteration (None) only its own time
+    (end - start) is known."""
+    if next_start is not None and next_start - end < end - start:
+        return next_start - start
+    return end - start
+
+
 @dataclass(frozen=True)
 class IterationRecord:
     """One engine iteration: what it computed and how long it took.

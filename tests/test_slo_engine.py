@@ -35,6 +35,25 @@ def test_greedy_tokens_are_the_same_with_an_slo(tiny_model, tmp_path):
         assert back == dataclasses.replace(records[0], request_ids=())  # ids: not logged
 
 
+def test_the_model_learns_each_iterations_period(tiny_model):
+    # A decode waits from one iteration's start to the next's: that is what is learnt,
+    # unless the engine sat idle in between (then the iteration's own time).
+    with LLM(tiny_model, tbt_slo=5.0, **SETTINGS) as llm:
+        cost, seen = llm.engine.cost, []
+        observe = cost.observe
+        cost.observe = lambda features, seconds: (seen.append(seconds),
+                                                  observe(features, seconds))
+        generate(llm)
+        records = list(llm.engine.iterations)
+    assert len(seen) == len(records) > 1
+    for record, after, seconds in zip(records, records[1:], seen):
+        busy = after.start - record.end < record.end - record.start
+        assert seconds == pytest.approx(after.start - record.start if busy
+                                        else record.end - record.start)
+    assert seen[-1] == pytest.approx(records[-1].end - records[-1].start)
+    assert sum(seen[:-1]) > sum(r.end - r.start for r in records[:-1])
+
+
 def test_an_unreachable_slo_fails_at_start_up(tiny_model):
     with pytest.raises(ValueError, match="tbt_slo=1e-09 s is unreachable"):
         LLM(tiny_model, tbt_slo=1e-9, **SETTINGS)

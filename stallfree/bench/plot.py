@@ -183,6 +183,7 @@ def plot_timeline(rep: Report, path: str, max_requests: int = 40,
 def plot_budget(path: str, out: str, tbt_slo_ms: float | None = None) -> None:
     """Chosen budget and iteration times over a run, from an iteration log."""
     from ..iteration_log import read_iteration_log
+    from ..outputs import iteration_period
 
     settings, records = read_iteration_log(path)
     records = [r for r in records if r.token_budget is not None]
@@ -197,7 +198,10 @@ def plot_budget(path: str, out: str, tbt_slo_ms: float | None = None) -> None:
              alpha=0.7, label="tokens computed")
     top.set_ylabel("tokens per iteration")
     top.legend(loc="upper right")
-    bottom.plot(times, [1e3 * (r.end - r.start) for r in records], lw=0.6, label="measured")
+    # What the model learns and predicts: each iteration's period (start to next start).
+    nexts = [r.start for r in records[1:]] + [None]
+    bottom.plot(times, [1e3 * iteration_period(r.start, r.end, n)
+                        for r, n in zip(records, nexts)], lw=0.6, label="measured")
     bottom.plot(times, [1e3 * r.predicted_time for r in records], lw=0.6, alpha=0.8,
                 label="predicted")
     slo = tbt_slo_ms or (1e3 * settings["tbt_slo"] if settings.get("tbt_slo") else None)
@@ -207,7 +211,7 @@ def plot_budget(path: str, out: str, tbt_slo_ms: float | None = None) -> None:
         if margin:
             bottom.axhline(slo * margin, color="orange", ls=":", lw=1,
                            label=f"target (x {margin:g})")
-    bottom.set_ylabel("iteration time (ms)")
+    bottom.set_ylabel("iteration period (ms)")
     bottom.set_xlabel("seconds since the first iteration")
     bottom.legend(loc="upper right")
     fig.tight_layout()

@@ -107,26 +107,27 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-# A lone chunk within this share of the lowest time per token measured counts as efficient.
-# Where the cost per token is flat (a CPU: 256-768 tokens within 3%) a wider margin picks
-# chunks so small that the decodes beside them, paid once per iteration, add up: at 2% a
-# start-up probe once picked 256 on this project's CPU, which halved a served capacity.
+# A lone chunk within this share of the lowest time per token measured counts as efficient:
+# about what repeated start-up measurements of one size differ by.
 EFFICIENT_TOLERANCE = 0.01
 
 
 def efficient_chunk(seconds_per_chunk: dict[int, float],
                     tolerance: float = EFFICIENT_TOLERANCE) -> int:
-    """The fewest new tokens of a lone chunk whose time per token is within `tolerance`
-    of the lowest among the measured sizes (chunk size -> seconds).
+    """The most new tokens of a lone chunk whose time per token is within `tolerance` of
+    the lowest among the measured sizes (chunk size -> seconds).
 
-    Past that size a larger chunk buys no throughput, only a longer iteration: the
-    decodes beside it wait longer and the requests queued behind it start later.
+    Up to that size the machine computes as fast per token as it can, and a larger
+    iteration spreads what every iteration pays besides (its decodes, the scheduling,
+    the handling of outputs) over more tokens. Past it a token costs more, and the same
+    work takes longer. Among sizes that cost alike (a CPU: 256-768 tokens within 3%),
+    the smallest once halved a served capacity on this project's CPU.
     """
     if not seconds_per_chunk:
         raise ValueError("efficient_chunk needs at least one measured chunk size")
     per_token = {n: t / n for n, t in seconds_per_chunk.items() if n > 0}
     best = min(per_token.values())
-    return min(n for n, v in per_token.items() if v <= best * (1 + tolerance))
+    return max(n for n, v in per_token.items() if v <= best * (1 + tolerance))
 
 
 def fit_least_squares(samples: Sequence[tuple[Sequence[float], float]],
