@@ -91,7 +91,7 @@ class LLMEngine:
         to a `stallfree profile` result); None calibrates one at start-up."""
         self.config = config = config or EngineConfig()
         self.cost: OnlineCost | None = cost_seed
-        # The last iteration's features and start, observed once the next one starts.
+        # The last iteration's features, start and end, observed once the next one starts.
         self._unobserved: tuple[BatchFeatures, float, float] | None = None
         self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
         threads = resolve_threads(config.threads, os.environ.get("OMP_NUM_THREADS"),

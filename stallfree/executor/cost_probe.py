@@ -4,12 +4,12 @@ Without a `stallfree profile` result the SLO budget needs a first guess of the
 iteration time before any request arrives. This runs about a dozen batches on the
 executor (prefills with and without cached context, decode batches of a few sizes and
 contexts, one mixed batch), times them and fits `OnlineCost`'s coefficients by least
-squares; the engine then refines them from every real iteration. On the default model
-on one CPU core it takes a couple of seconds.
+squares; the engine then refines them from every real iteration.
 
-It also times lone prefill chunks of doubling sizes (then steps of half the last) for
-the efficient chunk (`cost_fit.efficient_chunk`): the SLO budget never runs more tokens
-per iteration than that size, past which the machine computes no faster per token.
+It also times lone prefill chunks of growing sizes (64, 128, 256, 512, 768, 1024, 1536,
+...) for the efficient chunk (`cost_fit.efficient_chunk`): the SLO budget never runs
+more tokens per iteration than that size, past which a token costs more. On the default
+model on one CPU core the whole calibration takes 6-9 s.
 
 The batches use made-up requests over KV blocks that no request owns yet (their
 contents are garbage, which costs the same to compute); nothing reaches the

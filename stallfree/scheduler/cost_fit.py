@@ -167,7 +167,7 @@ class OnlineCost:
     """
 
     coefficients: tuple[float, ...]
-    # Most prefill tokens per iteration worth computing (`efficient_chunk`); None: no cap.
+    # Most tokens per iteration worth computing (`efficient_chunk`); None: no cap.
     efficient_tokens: int | None = None
     forget: float = 0.999
     prior_weight: float = 10.0

@@ -8,9 +8,8 @@ work predicted to fit within `tbt_slo x tbt_slo_margin`:
   dropped to make room, even when the decodes alone overrun the target);
 - each prefill chunk gets the largest token count whose predicted iteration time
   still fits, with `token_budget` (--max-num-batched-tokens) as an upper cap, lowered
-  to the cost model's efficient chunk: past that size an iteration computes no
-  faster per token (measured), it only makes the decodes beside it and the requests
-  queued behind it wait longer;
+  to the cost model's efficient chunk: past that size a token costs more (measured),
+  so a larger iteration would do the same work in more time;
 - a waiting request is admitted only if the decode batch it joins (every running
   request plus it, each at its current length) is predicted to fit, so admission
   does not build a decode batch the SLO cannot carry. With nothing running a
