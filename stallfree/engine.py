@@ -296,8 +296,8 @@ class LLMEngine:
             group = self._groups.get(out.request_id)
             if out.finish_reason and group is not None and group.is_finished:
                 finished.append(self._release(out.request_id))
-        if not self.has_unfinished_requests():
-            self._observe_period(None)
+        if self._unobserved is not None and not self.has_unfinished_requests():
+            self._observe_period(None)  # no next iteration: its own time is all there is
         return StepResult(outputs, finished, record, failed)
 
     def _observe_period(self, next_start: float | None) -> None:

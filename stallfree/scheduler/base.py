@@ -133,10 +133,8 @@ class Scheduler:
         self._check_fits(request)
 
     def _check_slo(self, tbt_slo: float | None) -> None:
-        """Rejects a request's own TBT SLO: only the SLO policy can keep one."""
-        if tbt_slo is not None:
-            raise ValueError("tbt_slo on a request needs an engine started with a TBT SLO "
-                             "(--tbt-slo): this one has a fixed token budget")
+        if tbt_slo is not None:  # only the SLO policy can keep a request's own SLO
+            raise ValueError("tbt_slo on a request needs an engine started with --tbt-slo")
 
     def _check_fits(self, request: Request) -> None:
         """Rejects a request the cache could never carry to its end.
