@@ -8,7 +8,7 @@ attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RM
 RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN),
 amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
 weights repacked at each switch), amx_attention (decode attention's scores in AMX tiles;
-its other path is the kernel's vectors), paged_prefill (prefill attention in AMX tiles; its
+its other path is the kernel's vectors), paged_prefill (prefill attention over the paged cache; its
 torch path gathers the context and runs SDPA; measured on prefills, not decode steps).
 """
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Prefill attention of one chunk over all layers: the AMX kernel that reads the paged cache
+"""Prefill attention of one chunk over all layers: the kernel that reads the paged cache
 in place (csrc/paged_prefill.cpp) beside the torch path it replaces (the chunk's context
 gathered, then SDPA with its causal mask; without a cached prefix SDPA's own causal path).
+On a CPU with AMX its products run in tiles, elsewhere in AVX512_BF16 vectors (the first
+line printed says which).
 
 Run: .venv/bin/python benchmarks/prefill_attention.py [--rounds 5] [--layers 30]
 
@@ -23,6 +25,7 @@ import torch
 from stallfree.executor.hardware import cpu_flags
 from stallfree.model import paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernels import amx_unavailable_reason
 from stallfree.model.loader import default_model_path, load_model_config
 
 BLOCK = 16
@@ -44,7 +47,8 @@ def main() -> None:
     torch.manual_seed(0)
     caches = [torch.randn(2, num_blocks, BLOCK, hkv, hd).bfloat16() for _ in range(args.layers)]
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}")
+    path = "vectors" if amx_unavailable_reason() else "AMX tiles"
+    print(f"{torch.get_num_threads()} threads, kernel in {path}; CPU flags: {' '.join(flags)}")
     print(f"{args.layers} layers, bf16 cache of {num_blocks} blocks each; median ms per layer "
           f"of {args.rounds} interleaved rounds")
     print("| cached | new | SDPA path | kernel | speed-up |\n|---:|---:|---:|---:|---:|")

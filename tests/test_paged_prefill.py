@@ -1,8 +1,10 @@
-"""The AMX prefill-attention kernel (stallfree/model/paged_prefill.py) against fp32 math and
-the torch reference path (gather + SDPA with the chunk's causal mask).
+"""The prefill-attention kernel (stallfree/model/paged_prefill.py), its AMX tiles and its
+AVX512_BF16 vectors, against fp32 math and the torch reference path (gather + SDPA with the
+chunk's causal mask).
 
-On a CPU without AMX or AVX512_BF16 the tests that run the kernel skip, and say which flag
-is missing; the torch path they compare with runs everywhere.
+On a CPU without AVX512_BF16 the tests that run the kernel skip, and say which flag is
+missing; on one without AMX the tile path falls back to the vectors, so both cases test
+those. The torch path they compare with runs everywhere.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_batch import Batch, rel_err
-from stallfree.model import paged_prefill
+from stallfree.model import paged_decode, paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 
 MISSING = paged_prefill.unavailable_reason()
@@ -40,8 +42,8 @@ def _chunks(batch: Batch, shapes: list[tuple[int, int]]) -> list[tuple[int, int,
                        max_size=4),
        decodes=st.lists(st.integers(1, 500), max_size=3),
        heads=st.sampled_from(HEADS), block_size=st.sampled_from([16, 32]),
-       seed=st.integers(0, 2**16))
-def test_property_chunks_match_fp32_math(shapes, decodes, heads, block_size, seed):
+       seed=st.integers(0, 2**16), tiles=st.booleans())
+def test_property_chunks_match_fp32_math(shapes, decodes, heads, block_size, seed, tiles):
     """Chunks with and without a cached prefix, of any length (tails of 16-query tiles and
     32-key steps), GQA groups of 1-16, 32-128 dims, beside decodes in the same batch: within
     the output's bf16 rounding of fp32 math on the same values, and close to the bf16
@@ -50,7 +52,8 @@ def test_property_chunks_match_fp32_math(shapes, decodes, heads, block_size, see
                   num_blocks=7 * 1300 // block_size + 7, seed=seed)
     seqs = _chunks(batch, shapes) + batch.decodes(decodes)
     qkv = batch.qkv(sum(n for _, n, _ in seqs))
-    out = batch.attend(seqs, True, qkv)
+    with paged_decode.TILES.within(tiles):
+        out = batch.attend(seqs, True, qkv)
     truth = _truth(batch, seqs, qkv)
     reference = batch.attend(seqs, False, qkv)
     assert out.dtype == torch.bfloat16 and out.shape == truth.shape

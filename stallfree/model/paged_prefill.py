@@ -1,10 +1,12 @@
-"""Prefill attention over the paged KV cache in AMX tiles (csrc/paged_prefill.cpp) and
-whether a batch can use it.
+"""Prefill attention over the paged KV cache (csrc/paged_prefill.cpp) and whether a batch
+can use it.
 
 Every prefill chunk of a batch in one call, reading its context in place through its block
-table and skipping the keys its causal mask hides. It needs a bfloat16 cache, AMX and
+table and skipping the keys its causal mask hides; its products run in AMX tiles where the
+CPU has AMX, else in AVX512_BF16 vectors. It needs a bfloat16 cache, AVX512_BF16 and
 head_dim % 32 == 0 with block_size % 16 == 0; elsewhere attention.py runs the chunks in
-SDPA, which stays the reference. STALLFREE_PAGED_PREFILL=0 turns it off.
+SDPA, which stays the reference. STALLFREE_PAGED_PREFILL=0 turns it off;
+STALLFREE_AMX_ATTENTION=0 keeps its vector path on an AMX CPU.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .kernels import KernelSwitch, amx_unavailable_reason, missing_cpu_flags
+from .kernels import KernelSwitch, missing_cpu_flags
+from .kernels import unavailable_reason as library_reason
+from .paged_decode import TILES
 
 SWITCH = KernelSwitch("STALLFREE_PAGED_PREFILL")
 
@@ -34,17 +38,19 @@ def usable(kv_cache: torch.Tensor) -> bool:
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
-    reason = amx_unavailable_reason()
-    if reason is None and missing_cpu_flags(("avx512_bf16",)):
-        reason = "this CPU lacks avx512_bf16"
-    return reason
+    reason = library_reason()
+    if reason is not None:
+        return f"kernels not built: {reason}"
+    return "this CPU lacks avx512_bf16" if missing_cpu_flags(("avx512_bf16",)) else None
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_lens: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, tiles: bool | None = None) -> torch.Tensor:
     """Chunk i's query_lens[i] rows of q [T, Hq, D] (in chunk order) against its first
     context_lens[i] keys through block_tables[i] [chunks, max_blocks] (int64), causally: its
-    queries are the last query_lens[i] of those positions. Returns [T, Hq, D] bf16."""
+    queries are the last query_lens[i] of those positions. Returns [T, Hq, D] bf16.
+    `tiles`: the products in AMX tiles where the CPU has them (default: the switch)."""
     return torch.ops.stallfree.paged_prefill(q, kv_cache, block_tables, query_lens,
-                                             context_lens, scale)
+                                             context_lens, scale,
+                                             TILES.enabled if tiles is None else tiles)
