@@ -1,10 +1,12 @@
-"""bf16 matmuls in the CPU kernels (stallfree/model/linear.py: AMX tiles, few-row vectors)
-and from prepacked weights, against torch.
+"""bf16 matmuls in the CPU kernels (stallfree/model/linear.py: the tile packing's kernel in
+AMX tiles or AVX512_BF16 vectors, few-row vectors) and from prepacked weights, against
+torch.
 
 The kernels accumulate in fp32 in another order than torch's bf16 matmul, so both are held
 to the float64 product with bf16's rounding as the bound. Without a built kernel library
-(no compiler) the tests that run it skip, saying why; the AMX tests say which CPU flag or
-permission is missing.
+(no compiler) the tests that run it skip, saying why; the tile packing's tests say which
+CPU flag or permission is missing. They run the kernel in tiles and in vectors (on a CPU
+without AMX, both are the vectors).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from stallfree.model.linear import (
     gated_linear,
     linear,
     pack_weight,
+    pair_kernel_unavailable_reason,
     silu_mul,
 )
 
@@ -34,7 +37,9 @@ needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built
 
 
 AMX_MISSING = amx_unavailable_reason()
-needs_amx = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX: {AMX_MISSING}")
+PAIRS_MISSING = pair_kernel_unavailable_reason()
+needs_pairs = pytest.mark.skipif(PAIRS_MISSING is not None,
+                                 reason=f"tile packing's kernel: {PAIRS_MISSING}")
 BF16_EPS = 2.0 ** -8  # half a bf16 ulp, relative: the output's own rounding
 
 
@@ -166,23 +171,23 @@ def test_loading_in_bf16_packs_every_matmul_weight_and_float32_packs_none(tiny_m
             assert (model.logits_packed is not None) == packed
 
 
-@needs_amx
+@needs_pairs
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 300), col_blocks=st.integers(1, 7), k_tiles=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), tiles=st.booleans())
 def test_amx_kernel_matches_the_float64_product_within_bf16_rounding(tokens, col_blocks,
-                                                                     k_tiles, seed):
+                                                                     k_tiles, seed, tiles):
     # Odd column blocks (a pair's single tail), 1 or 2 row tiles, row chunks past 256.
     gen = torch.Generator().manual_seed(seed)
     rows, cols = 16 * col_blocks, 32 * k_tiles
     x = torch.randn(tokens, cols, generator=gen).bfloat16()
     w = torch.randn(rows, cols, generator=gen).bfloat16()
-    out = torch.ops.stallfree.amx_linear(x, torch.ops.stallfree.amx_pack(w), rows)
+    out = torch.ops.stallfree.amx_linear(x, torch.ops.stallfree.amx_pack(w), rows, tiles)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, rows)
     assert ((out.double() - x.double() @ w.double().t()).abs() <= _bound(x, w)).all()
 
 
-@needs_amx
+@needs_pairs
 def test_amx_runs_the_model_shapes_and_strided_rows():
     torch.manual_seed(0)
     for rows, cols in ((960, 576), (576, 1536), (49152, 576)):
@@ -204,7 +209,7 @@ def _rows_of_calls(monkeypatch, op: str) -> list[int]:
     return calls
 
 
-@needs_amx
+@needs_pairs
 def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit(monkeypatch):
     calls = _rows_of_calls(monkeypatch, "amx_linear")
     layer = Linear(64, 48, bias=True).bfloat16()
@@ -227,7 +232,7 @@ def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit
 
 @needs_kernel
 def test_amx_operands_are_checked():
-    if AMX_MISSING is None:
+    if PAIRS_MISSING is None:
         with pytest.raises(RuntimeError, match="multiple of 16"):
             torch.ops.stallfree.amx_pack(torch.randn(40, 64).bfloat16())
         with pytest.raises(RuntimeError, match="bfloat16"):
@@ -237,7 +242,7 @@ def test_amx_operands_are_checked():
             torch.ops.stallfree.amx_linear(torch.randn(2, 64).bfloat16(), packed, 16)
     else:  # the op exists everywhere and says why it cannot run
         assert torch.ops.stallfree.amx_usable() is False or "permission" in AMX_MISSING
-        with pytest.raises(RuntimeError, match="AMX"):
+        with pytest.raises(RuntimeError, match="neither AMX"):
             torch.ops.stallfree.amx_linear(torch.randn(2, 32).bfloat16(),
                                            torch.randn(512).bfloat16(), 16)
 
@@ -247,12 +252,13 @@ def _within_one_bf16_step(got: torch.Tensor, ref: torch.Tensor) -> bool:
                  <= 2 ** -8 * ref.double().abs() + 1e-30).all())
 
 
-@needs_amx
+@needs_pairs
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(1, 300), half_blocks=st.integers(1, 4), k_tiles=st.integers(1, 4),
-       scale=st.sampled_from([0.1, 1.0, 30.0]), seed=st.integers(0, 2**16))
+       scale=st.sampled_from([0.1, 1.0, 30.0]), seed=st.integers(0, 2**16),
+       tiles=st.booleans())
 def test_silu_mul_in_the_amx_epilogue_equals_the_unfused_ops(tokens, half_blocks, k_tiles,
-                                                             scale, seed):
+                                                             scale, seed, tiles):
     """The fused gate/up matmul against the same matmul stored and then torch's SiLU and
     product: it rounds where they do (each product, the SiLU, the result), so it differs at
     most by the last bit where the two exponentials round a SiLU apart. Large gates (scale
@@ -263,13 +269,15 @@ def test_silu_mul_in_the_amx_epilogue_equals_the_unfused_ops(tokens, half_blocks
     w = torch.randn(2 * inter, cols, generator=gen).bfloat16()
     packed = pack_weight(w, gated=True)
     assert packed.layout == "amx_gated"
-    fused = gated_linear(x, w, packed)
-    unfused = silu_mul(linear(x, w, packed=pack_weight(w)))
+    fused = torch.ops.stallfree.amx_linear_silu_mul(x, packed.data, 2 * inter, tiles)
+    if tiles:  # the layer's own call
+        assert torch.equal(fused, gated_linear(x, w, packed))
+    unfused = silu_mul(torch.ops.stallfree.amx_linear(x, pack_weight(w).data, 2 * inter, tiles))
     assert fused.shape == (tokens, inter) and fused.dtype == torch.bfloat16
     assert _within_one_bf16_step(fused, unfused)
 
 
-@needs_amx
+@needs_pairs
 def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypatch):
     calls = _rows_of_calls(monkeypatch, "amx_linear_silu_mul")
     layer = GatedLinear(64, 2 * 96, bias=False).bfloat16()

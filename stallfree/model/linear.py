@@ -6,13 +6,16 @@ On a CPU with AMX, the weights are reordered once, at load, into the tile multip
 layout, and the AMX kernel runs every bf16 matmul up to AMX_MAX_ROWS rows: it streams the
 weights at 1-32 rows as fast as the few-row kernel does at one, where oneDNN read them at
 about half the bandwidth (docs/benchmarks.md: "AMX matmuls"), and it is as fast as oneDNN
-at a 512-row prefill chunk. Without AMX, few-row bf16 matmuls (up to SKINNY_MAX_TOKENS)
-run in the skinny kernel, which widens bf16 to fp32 vectors, and more rows go to oneDNN
-from weights reordered once into its blocked layout (`pack_weight`): F.linear on a plain
-bf16 weight reorders it on every call, which at 8-128 rows costs a third of the time
-(docs/benchmarks.md: "Prepacked bf16 weights"). Everything else goes to F.linear, the
-reference. STALLFREE_AMX_LINEAR=0, STALLFREE_SKINNY_LINEAR=0 and STALLFREE_PACKED_LINEAR=0
-turn each path off.
+at a 512-row prefill chunk. A CPU with AVX512_BF16 but no AMX runs the same kernel on the
+same packing in vector dot products of bf16 pairs (csrc/pair_linear_vec.h): 1.3-1.6x
+faster than oneDNN at 8-64 rows on a 2-core EPYC, and as fast at 512. Without either,
+few-row bf16 matmuls (up to SKINNY_MAX_TOKENS) run in the skinny kernel, which widens bf16
+to fp32 vectors, and more rows go to oneDNN from weights reordered once into its blocked
+layout (`pack_weight`): F.linear on a plain bf16 weight reorders it on every call, which at
+8-128 rows costs a third of the time (docs/benchmarks.md: "Prepacked bf16 weights").
+Everything else goes to F.linear, the reference. STALLFREE_AMX_LINEAR=0 (the tile
+packing's kernel, tiles or vectors), STALLFREE_SKINNY_LINEAR=0 and
+STALLFREE_PACKED_LINEAR=0 turn each path off.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelSwitch, amx_unavailable_reason
+from .kernels import KernelSwitch, amx_unavailable_reason, missing_cpu_flags
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
@@ -52,10 +55,19 @@ class PackedWeight:
         return self.data.nbytes
 
 
+def pair_kernel_unavailable_reason() -> str | None:
+    """Why the kernel of the tile packing (csrc/amx_linear.cpp) cannot run here (None: it
+    can): it runs in tiles where the CPU has AMX and the OS lets this process use the tile
+    registers, else in AVX512_BF16 vectors where the CPU has those."""
+    amx = amx_unavailable_reason()
+    if amx is None or amx.startswith("kernels not built"):
+        return amx
+    return None if not missing_cpu_flags(("avx512_bf16",)) else f"{amx}, nor avx512_bf16"
+
+
 def amx_available() -> bool:
-    """Whether the AMX kernel can run here: built for a CPU with AMX, and the OS lets this
-    process use the tile registers."""
-    return AMX.usable() and amx_unavailable_reason() is None
+    """Whether weights are packed for that kernel (its switch on, and it can run)."""
+    return AMX.usable() and pair_kernel_unavailable_reason() is None
 
 
 def _amx_shape(weight: torch.Tensor) -> bool:

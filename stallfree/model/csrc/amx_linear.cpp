@@ -1,4 +1,5 @@
-// x @ W.T for bfloat16 x and W in AMX tiles (CPU), at any number of rows of x.
+// x @ W.T for bfloat16 x and W in AMX tiles (CPU), at any number of rows of x; on CPUs
+// with AVX512_BF16 but no AMX, from the same packing in vectors (pair_linear_vec.h).
 //
 // A decode step's matmuls have one row of x per running sequence: at 8-64 rows they must
 // stream W once and do little arithmetic per byte, yet AVX-512 fp32 FMAs cannot keep up
@@ -30,28 +31,11 @@
 #include "vec.h"
 
 #include "amx.h"
+#include "pair_linear_vec.h"
 
 namespace {
 
 constexpr int64_t kRowChunk = 256;     // rows of x kept in L2 per sweep over W
-
-#ifdef STALLFREE_AMX
-
-inline void store_acc(int tile_index, float* acc) {
-  switch (tile_index) {  // tile numbers must be immediates
-    case 0: _tile_stored(0, acc, 64); break;
-    case 1: _tile_stored(1, acc, 64); break;
-    case 2: _tile_stored(2, acc, 64); break;
-    default: _tile_stored(3, acc, 64); break;
-  }
-}
-
-// One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
-void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
-  alignas(64) float acc[16 * 16];
-  store_acc(tile_index, acc);
-  for (int r = 0; r < rows; ++r) store16(out + r * ld, load16(acc + r * 16));
-}
 
 #ifdef __AVX512BF16__
 // Rounding to bf16 in one instruction: to nearest even as round_bf16, but denormals flush
@@ -70,16 +54,42 @@ inline vf round_fast(vf v) { return round_bf16(v); }
 inline void store_fast(c10::BFloat16* p, vf v) { store16(p, v); }
 #endif
 
-// silu(gate) * up from a gate tile and its up tile, rounded where torch's unfused ops
-// round (each product, the SiLU, the result), into `rows` rows of out.
-void store_gated(int gate_tile, int rows, c10::BFloat16* out, int64_t ld) {
+// silu(gate) * up from `rows` rows of gate and up sums (rows `stride` floats apart),
+// rounded where torch's unfused ops round (each product, the SiLU, the result), into `rows`
+// rows of out.
+void store_gated(const float* gate, const float* up, int64_t stride, int rows,
+                 c10::BFloat16* out, int64_t ld) {
+  for (int r = 0; r < rows; ++r) {
+    const vf g = round_fast(load16(gate + r * stride));
+    store_fast(out + r * ld, round_fast(silu(g)) * round_fast(load16(up + r * stride)));
+  }
+}
+
+
+#ifdef STALLFREE_AMX
+
+inline void store_acc(int tile_index, float* acc) {
+  switch (tile_index) {  // tile numbers must be immediates
+    case 0: _tile_stored(0, acc, 64); break;
+    case 1: _tile_stored(1, acc, 64); break;
+    case 2: _tile_stored(2, acc, 64); break;
+    default: _tile_stored(3, acc, 64); break;
+  }
+}
+
+// silu(gate) * up from a gate tile and its up tile.
+void store_gated_tiles(int gate_tile, int rows, c10::BFloat16* out, int64_t ld) {
   alignas(64) float gate[16 * 16], up[16 * 16];
   store_acc(gate_tile, gate);
   store_acc(gate_tile + 1, up);
-  for (int r = 0; r < rows; ++r) {
-    const vf g = round_fast(load16(gate + r * 16));
-    store_fast(out + r * ld, round_fast(silu(g)) * round_fast(load16(up + r * 16)));
-  }
+  store_gated(gate, up, 16, rows, out, ld);
+}
+
+// One accumulator tile (16 x 16 fp32) rounded to bf16 into `rows` rows of out.
+void store_tile(int tile_index, int rows, c10::BFloat16* out, int64_t ld) {
+  alignas(64) float acc[16 * 16];
+  store_acc(tile_index, acc);
+  for (int r = 0; r < rows; ++r) store16(out + r * ld, load16(acc + r * 16));
 }
 
 // 16 * RowTiles rows of x (row stride `lda` bytes) against one or two column blocks of W,
@@ -133,8 +143,8 @@ void column_blocks(const uint8_t* x, int64_t rows, int64_t lda, const uint8_t* w
       const int valid1 = static_cast<int>(std::min<int64_t>(16, rows - r0 - 16));
       if (gated) {
         c10::BFloat16* o = out + r0 * ld + c / 2 * 16;
-        store_gated(0, valid0, o, ld);
-        if (RowTiles == 2 && valid1 > 0) store_gated(2, valid1, o + 16 * ld, ld);
+        store_gated_tiles(0, valid0, o, ld);
+        if (RowTiles == 2 && valid1 > 0) store_gated_tiles(2, valid1, o + 16 * ld, ld);
         continue;
       }
       c10::BFloat16* o = out + r0 * ld + c * 16;
@@ -179,8 +189,43 @@ at::Tensor amx_pack(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, bool gated) {
-  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or build has no usable AMX");
+#ifdef PAIR_LINEAR_VEC
+// The packing's products in vectors (pair_linear_vec.h): threads take equal runs of
+// column-block pairs, as the tile path's do.
+void vector_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated,
+                   at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), col_blocks = n / 16;
+  const int64_t ld = gated ? n / 2 : n;
+  const auto* xa = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wa = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* oa = out.data_ptr<c10::BFloat16>();
+  const auto store = [&](int64_t r0, int count, int64_t c, const float* acc, bool two) {
+    if (gated) {
+      store_gated(acc, acc + 16, 32, count, oa + r0 * ld + c / 2 * 16, ld);
+      return;
+    }
+    for (int r = 0; r < count; ++r) {
+      c10::BFloat16* o = oa + (r0 + r) * ld + c * 16;
+      store16(o, load16(acc + r * 32));
+      if (two) store16(o + 16, load16(acc + r * 32 + 16));
+    }
+  };
+  const int64_t pairs = (col_blocks + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      pair_linear_vec(xa, rows, k, wa, k / 2, 2 * (pairs * t / threads),
+                      std::min(col_blocks, 2 * (pairs * (t + 1) / threads)), store);
+  });
+}
+#endif
+
+at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, bool gated,
+                      bool tiles) {
+#ifndef PAIR_LINEAR_VEC
+  TORCH_CHECK(tiles && amx_usable(),
+              "amx_linear: this CPU or build has neither AMX (or tiles=False) nor AVX512_BF16");
+#endif
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
                   packed.scalar_type() == at::kBFloat16,
               "amx_linear: bfloat16 x [M, K] and packed weight expected");
@@ -191,6 +236,12 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   TORCH_CHECK(!gated || n % 32 == 0, "amx_linear_silu_mul: n must be a multiple of 32, got ", n);
   at::Tensor out = at::empty({rows, gated ? n / 2 : n}, x_in.options());
   if (rows == 0) return out;
+  if (!tiles || !amx_usable()) {
+#ifdef PAIR_LINEAR_VEC
+    vector_linear(x_in.contiguous(), packed, n, gated, out);
+#endif
+    return out;
+  }
 #ifdef STALLFREE_AMX
   // Below 32 rows (a decode step's sequences) the tiles are configured for the rows there
   // are; from 32, rows are padded to whole pairs of row tiles with zeros, so every tile
@@ -231,14 +282,16 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return out;
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return run_linear(x, packed, n, false);
+// `tiles`: in AMX tiles where the CPU allows (else in AVX512_BF16 vectors).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool tiles) {
+  return run_linear(x, packed, n, false, tiles);
 }
 
 // x @ W.T for W = [gate; up] ([n, K], packed with its 16-row blocks of gate and up
 // alternating), then silu(gate) * up: [M, n / 2], the gate and up products never stored.
-at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return run_linear(x, packed, n, true);
+at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                               bool tiles) {
+  return run_linear(x, packed, n, true, tiles);
 }
 
 }  // namespace
@@ -246,8 +299,8 @@ at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, in
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("amx_usable() -> bool", &amx_usable);
   m.def("amx_pack(Tensor weight) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int n, bool tiles=True) -> Tensor");
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int n, bool tiles=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
