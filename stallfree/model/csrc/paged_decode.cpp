@@ -72,31 +72,101 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 // shift and a mask per vector cost less than a round trip through a buffer. The next
 // tile's rows (`next`) are asked for one KV head at a time, between the work, so the
 // requests do not queue up behind each other at the tile's start.
+// One query head's scores for the tile and its softmax step: the running max and sum move,
+// acc [C] (the head's output so far) is rescaled where the max rose; returns the weights.
+template <typename T, int C>
+inline vf softmax_step(const vf* qh, const T* k, const int64_t* rows, int n, const Partial& out,
+                       int64_t h, vf* acc) {
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
+  vf a[kLanes];
+  key_products<T, C>(qh, k, rows, a);
+  const vf scores = lane < n ? hsum16(a) : minus_inf;
+  const float m = std::max(out.max[h], hmax(scores));
+  if (m > out.max[h]) {  // a new maximum: rescale what was accumulated under the old one
+    const float alpha = std::exp(out.max[h] - m);
+    out.sum[h] *= alpha;
+    for (int c = 0; c < C; ++c) acc[c] *= alpha;
+    out.max[h] = m;
+  }
+  const vf p = lane < n ? exp_nonpositive(scores - m) : vf{};
+  out.sum[h] += hsum(p);
+  return p;
+}
+
+#ifdef __AVX512BF16__
+// The weighted V rows of up to HG query heads of one GQA group (heads [h0, h0 + count)) in
+// bf16-pair dot products: the weights rounded to bf16 as torch's flash attention rounds
+// them, two tokens' V rows interleaved once (a shift, a mask and an or per vector) and used
+// by every head of the pass, whose outputs stay in registers across the tile.
+template <int C, int HG>
+inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
+                                  const vf* p, int64_t h0, int count, float* acc_out) {
+  __m512 acc[HG][C];
+  uint32_t w[HG][kLanes / 2];
+  for (int hl = 0; hl < HG; ++hl) {
+    if (hl >= count) break;
+    std::memcpy(acc[hl], acc_out + (h0 + hl) * C * kLanes, sizeof acc[hl]);
+    const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl]));
+    std::memcpy(w[hl], &rounded, sizeof w[hl]);  // word i: the weights of tokens 2i, 2i + 1
+  }
+  for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
+    __m512bh pairs[C];
+    for (int c = 0; c < C; c += 2) {
+      vu r0, r1;
+      std::memcpy(&r0, v + rows[j] + c * kLanes, sizeof r0);
+      std::memcpy(&r1, v + rows[j + 1] + c * kLanes, sizeof r1);
+      pairs[c] = (__m512bh)((r0 & 0xffffu) | (r1 << 16));              // even dims
+      pairs[c + 1] = (__m512bh)((r0 >> 16) | (r1 & 0xffff0000u));      // odd dims
+    }
+#pragma GCC unroll 8
+    for (int hl = 0; hl < HG; ++hl) {
+      if (hl >= count) break;
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[hl][j / 2]));
+      for (int c = 0; c < C; ++c) acc[hl][c] = _mm512_dpbf16_ps(acc[hl][c], weights, pairs[c]);
+    }
+  }
+  for (int hl = 0; hl < count && hl < HG; ++hl)
+    std::memcpy(acc_out + (h0 + hl) * C * kLanes, acc[hl], sizeof acc[hl]);
+}
+#endif
+
+// Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
+// the first) for every query head: scores, online softmax, then the weighted V rows.
+// C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
+// Rows are widened where they are used, once per query head: from L1 after the first, a
+// shift and a mask per vector cost less than a round trip through a buffer. The next
+// tile's rows (`next`) are asked for one KV head at a time, between the work, so the
+// requests do not queue up behind each other at the tile's start.
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {
   const int64_t group = s.heads / s.kv_heads;
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
     const int64_t head = kv * C * kLanes;
     prefetch_rows(k, v, next, n_next, head, C * kLanes * int64_t(sizeof(T)));
+#ifdef __AVX512BF16__
+    if constexpr (kSplit<T, C>) {
+      constexpr int HG = C >= 12 ? 1 : 12 / C;  // heads per pass: HG * C accumulators
+      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += HG) {
+        const int count = static_cast<int>(std::min<int64_t>(HG, (kv + 1) * group - h0));
+        vf p[HG];
+        for (int hl = 0; hl < count; ++hl) {
+          float* acc = out.acc + (h0 + hl) * C * kLanes;
+          vf held[C];
+          std::memcpy(held, acc, sizeof held);
+          p[hl] = softmax_step<T, C>(q + (h0 + hl) * C, k + head, rows, n, out, h0 + hl, held);
+          std::memcpy(acc, held, sizeof held);
+        }
+        weighted_values_pairs<C, HG>(v + head, rows, n, p, h0, count, out.acc);
+      }
+      continue;
+    }
+#endif
     for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-      const vf* qh = q + h * C;
-      vf a[kLanes];
-      key_products<T, C>(qh, k + head, rows, a);
-      const vf scores = lane < n ? hsum16(a) : minus_inf;
-      const float m = std::max(out.max[h], hmax(scores));
       vf acc[C];
       std::memcpy(acc, out.acc + h * C * kLanes, sizeof acc);
-      if (m > out.max[h]) {  // a new maximum: rescale what was accumulated under the old one
-        const float alpha = std::exp(out.max[h] - m);
-        out.sum[h] *= alpha;
-        for (int c = 0; c < C; ++c) acc[c] *= alpha;
-        out.max[h] = m;
-      }
-      const vf p = lane < n ? exp_nonpositive(scores - m) : vf{};
-      out.sum[h] += hsum(p);
+      const vf p = softmax_step<T, C>(q + h * C, k + head, rows, n, out, h, acc);
       for (int j = 0; j < n; ++j) {
         vf vr[C];
         load_row<T, C>(v + rows[j] + head, vr);
