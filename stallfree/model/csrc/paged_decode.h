@@ -72,8 +72,9 @@ inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, in
                           int64_t bytes) {
   for (int j = 0; j < n; ++j)
     for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k + rows[j] + offset) + b, 0, kPrefetchLocality);
-      __builtin_prefetch(reinterpret_cast<const char*>(v + rows[j] + offset) + b, 0, kPrefetchLocality);
+      const int64_t at = rows[j] + offset;
+      __builtin_prefetch(reinterpret_cast<const char*>(k + at) + b, 0, kPrefetchLocality);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + at) + b, 0, kPrefetchLocality);
     }
 }
 
