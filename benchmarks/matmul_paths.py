@@ -4,7 +4,8 @@ shapes: every layer's four weights (30 layers, 212 MB, read cold), at several ro
 Run: .venv/bin/python benchmarks/matmul_paths.py [--rows 1 8 32 512] [--rounds 5] [--gated]
 
 Paths, timed in turn within every round (interleaved, so a load change hits them alike):
-  amx      csrc/amx_linear.cpp on weights packed for the tile multiply (CPUs with AMX)
+  amx      csrc/amx_linear.cpp on weights packed for the tile multiply: in AMX tiles, or in
+           AVX512_BF16 vectors on CPUs without AMX (the first line printed says which)
   onednn   oneDNN's matmul on weights reordered once into its blocked layout
   skinny   csrc/skinny_linear.cpp (up to linear.SKINNY_MAX_TOKENS rows)
   torch    F.linear on the plain weight (oneDNN reorders it at every call)
@@ -31,6 +32,7 @@ from stallfree.model.linear import (
     SKINNY_MAX_TOKENS,
     gated_linear,
     pack_weight,
+    pair_kernel_unavailable_reason,
     silu_mul,
 )
 from stallfree.model.loader import default_model_path, load_model_config
@@ -61,14 +63,15 @@ def main() -> None:
     nbytes = sum(w.nbytes for layer in weights for w in layer)
     paths: dict[str, Callable[[torch.Tensor, int, int], object]] = {}
     if args.gated:
-        if amx_unavailable_reason() is not None:
-            raise SystemExit(f"--gated needs AMX: {amx_unavailable_reason()}")
+        if pair_kernel_unavailable_reason() is not None:
+            raise SystemExit(f"--gated needs the tile packing's kernel: "
+                             f"{pair_kernel_unavailable_reason()}")
         fused = [[pack_weight(w, gated=True) for w in layer] for layer in weights]
         plain = [[pack_weight(w) for w in layer] for layer in weights]
         paths["fused"] = lambda x, i, j: gated_linear(x, weights[i][j], fused[i][j])
         paths["amx+torch"] = lambda x, i, j: silu_mul(torch.ops.stallfree.amx_linear(
             x, plain[i][j].data, shapes[j][0]))
-    elif amx_unavailable_reason() is None:
+    elif pair_kernel_unavailable_reason() is None:
         amx = [[torch.ops.stallfree.amx_pack(w) for w in layer] for layer in weights]
         paths["amx"] = lambda x, i, j: torch.ops.stallfree.amx_linear(x, amx[i][j],
                                                                       shapes[j][0])
@@ -83,7 +86,8 @@ def main() -> None:
         paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}; "
-          f"AMX: {amx_unavailable_reason() or 'yes'}")
+          f"AMX: {amx_unavailable_reason() or 'yes'}; the amx path in "
+          f"{'tiles' if amx_unavailable_reason() is None else 'vectors'}")
     print(f"{args.layers} layers x {len(shapes)} weights {shapes}, {nbytes / 1e6:.0f} MB; "
           f"median ms per pass of {args.rounds} interleaved rounds")
     names = list(paths)
