@@ -177,6 +177,11 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
   }
 }
 
+#ifndef K_AHEAD
+#define K_AHEAD 2
+#endif
+constexpr int kAhead = K_AHEAD;
+
 template <typename T, int C>
 void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
             const int64_t* table, const Item& item, const Partial& out) {
@@ -195,14 +200,21 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
     for (int j = n; j < kLanes; ++j) rows[j] = rows[0];
     return n;
   };
-  int64_t rows[2][kLanes];
-  int n = offsets(item.begin, rows[0]);
-  // The first tile's rows; attend_tile asks for each next one's.
-  prefetch_rows(k_cache, v_cache, rows[0], n, 0, row_len * int64_t(sizeof(T)));
-  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes, i ^= 1) {
-    const int next = start + kLanes < item.end ? offsets(start + kLanes, rows[i ^ 1]) : 0;
-    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], n, out, rows[i ^ 1], next);
-    n = next;
+  // Rows of the tiles in flight: this one and the kAhead after it, in a ring.
+  int64_t rows[kAhead + 1][kLanes];
+  int count[kAhead + 1] = {};
+  for (int a = 0; a < kAhead; ++a) {  // the first tiles' rows; attend_tile asks for the rest
+    const int64_t start = item.begin + a * kLanes;
+    if (start >= item.end) break;
+    count[a] = offsets(start, rows[a]);
+    prefetch_rows(k_cache, v_cache, rows[a], count[a], 0, row_len * int64_t(sizeof(T)));
+  }
+  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes) {
+    const int64_t ahead = start + kAhead * kLanes;
+    const int64_t slot = (i + kAhead) % (kAhead + 1);
+    count[slot] = ahead < item.end ? offsets(ahead, rows[slot]) : 0;
+    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], count[i], out, rows[slot], count[slot]);
+    i = (i + 1) % (kAhead + 1);
   }
 }
 
