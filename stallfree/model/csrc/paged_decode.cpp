@@ -178,7 +178,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
 }
 
 #ifndef K_AHEAD
-#define K_AHEAD 2
+#define K_AHEAD 4
 #endif
 constexpr int kAhead = K_AHEAD;
 
