@@ -4,8 +4,10 @@
 // the cache [2, num_blocks, block_size, Hkv, D] through the request's block table: no
 // gather into a dense buffer, no padding to the longest context. Online softmax in fp32;
 // bfloat16 and float16 rows are widened to fp32 in registers where they are used, the
-// query heads of a GQA group reading the same rows from L1. The next 16 tokens' rows are
-// prefetched while the current ones compute, since blocks lie anywhere in the cache.
+// query heads of a GQA group reading the same rows from L1; on CPUs with AVX512_BF16, bf16
+// rows are multiplied as stored, in bf16-pair dot products (paged_decode_pairs.h). The
+// rows of tiles ahead are asked for while the current one computes, since blocks lie
+// anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
 // item with its own softmax state; items are dealt out to the threads by token count, so
@@ -25,53 +27,13 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
-
 #include "paged_decode.h"
 #include "paged_decode_amx.h"
+#include "paged_decode_pairs.h"
 #include "vec.h"
 
 namespace {
 
-// a[j]: the lane products of query head qh with key row j (their sum is the score). With
-// AVX512_BF16, a bf16 row is multiplied as it is stored, pairs of dims at a time: two
-// instructions per row at 64 dims, where widening it first takes eight.
-template <typename T, int C>
-inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
-#ifdef __AVX512BF16__
-  if constexpr (kSplit<T, C>) {
-    __m512bh qb[C / 2];  // the query's pairs, as stored: the even dim low, the odd dim high
-    for (int c = 0; c < C; c += 2)
-      qb[c / 2] = (__m512bh)((reinterpret_cast<vu>(round_bf16(qh[c])) >> 16) |
-                             (reinterpret_cast<vu>(round_bf16(qh[c + 1])) & 0xffff0000u));
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < C / 2; ++c)
-        sum = _mm512_dpbf16_ps(sum, qb[c], (__m512bh)_mm512_loadu_si512(k + rows[j] + c * 32));
-      a[j] = reinterpret_cast<vf>(sum);
-    }
-    return;
-  }
-#endif
-#pragma GCC unroll 16
-  for (int j = 0; j < kLanes; ++j) {
-    vf kr[C];
-    load_row<T, C>(k + rows[j], kr);
-    a[j] = qh[0] * kr[0];
-    for (int c = 1; c < C; ++c) a[j] += qh[c] * kr[c];
-  }
-}
-
-// Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
-// the first) for every query head: scores, online softmax, then the weighted V rows.
-// C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
-// Rows are widened where they are used, once per query head: from L1 after the first, a
-// shift and a mask per vector cost less than a round trip through a buffer. The next
-// tile's rows (`next`) are asked for one KV head at a time, between the work, so the
-// requests do not queue up behind each other at the tile's start.
 // One query head's scores for the tile and its softmax step: the running max and sum move,
 // acc [C] (the head's output so far) is rescaled where the max rose; returns the weights.
 template <typename T, int C>
@@ -94,50 +56,14 @@ inline vf softmax_step(const vf* qh, const T* k, const int64_t* rows, int n, con
   return p;
 }
 
-#ifdef __AVX512BF16__
-// The weighted V rows of up to HG query heads of one GQA group (heads [h0, h0 + count)) in
-// bf16-pair dot products: the weights rounded to bf16 as torch's flash attention rounds
-// them, two tokens' V rows interleaved once (a shift, a mask and an or per vector) and used
-// by every head of the pass, whose outputs stay in registers across the tile.
-template <int C, int HG>
-inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
-                                  const vf* p, int64_t h0, int count, float* acc_out) {
-  __m512 acc[HG][C];
-  uint32_t w[HG][kLanes / 2];
-  for (int hl = 0; hl < HG; ++hl) {
-    if (hl >= count) break;
-    std::memcpy(acc[hl], acc_out + (h0 + hl) * C * kLanes, sizeof acc[hl]);
-    const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl]));
-    std::memcpy(w[hl], &rounded, sizeof w[hl]);  // word i: the weights of tokens 2i, 2i + 1
-  }
-  for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
-    __m512bh pairs[C];
-    for (int c = 0; c < C; c += 2) {
-      vu r0, r1;
-      std::memcpy(&r0, v + rows[j] + c * kLanes, sizeof r0);
-      std::memcpy(&r1, v + rows[j + 1] + c * kLanes, sizeof r1);
-      pairs[c] = (__m512bh)((r0 & 0xffffu) | (r1 << 16));              // even dims
-      pairs[c + 1] = (__m512bh)((r0 >> 16) | (r1 & 0xffff0000u));      // odd dims
-    }
-#pragma GCC unroll 8
-    for (int hl = 0; hl < HG; ++hl) {
-      if (hl >= count) break;
-      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[hl][j / 2]));
-      for (int c = 0; c < C; ++c) acc[hl][c] = _mm512_dpbf16_ps(acc[hl][c], weights, pairs[c]);
-    }
-  }
-  for (int hl = 0; hl < count && hl < HG; ++hl)
-    std::memcpy(acc_out + (h0 + hl) * C * kLanes, acc[hl], sizeof acc[hl]);
-}
-#endif
-
 // Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
 // C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
 // Rows are widened where they are used, once per query head: from L1 after the first, a
-// shift and a mask per vector cost less than a round trip through a buffer. The next
-// tile's rows (`next`) are asked for one KV head at a time, between the work, so the
-// requests do not queue up behind each other at the tile's start.
+// shift and a mask per vector cost less than a round trip through a buffer (with
+// AVX512_BF16, bf16 rows are multiplied as stored, and a GQA group's heads weigh each pair
+// of V rows together). The rows of a tile ahead (`next`) are asked for one KV head at a
+// time, between the work, so the requests do not queue up behind each other.
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {

@@ -1,0 +1,87 @@
+// Decode attention's two products in bf16-pair dot products, for bf16 caches on CPUs with
+// AVX512_BF16 (paged_decode.cpp's vector path): each instruction adds to 16 fp32 lanes the
+// products of a pair of bf16 values with another pair, so a row is used as it is stored.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "paged_decode.h"
+#include "vec.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// a[j]: the lane products of query head qh with key row j (their sum is the score). With
+// AVX512_BF16, a bf16 row is multiplied as it is stored, pairs of dims at a time: two
+// instructions per row at 64 dims, where widening it first takes eight.
+template <typename T, int C>
+inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
+#ifdef __AVX512BF16__
+  if constexpr (kSplit<T, C>) {
+    __m512bh qb[C / 2];  // the query's pairs, as stored: the even dim low, the odd dim high
+    for (int c = 0; c < C; c += 2)
+      qb[c / 2] = (__m512bh)((reinterpret_cast<vu>(round_bf16(qh[c])) >> 16) |
+                             (reinterpret_cast<vu>(round_bf16(qh[c + 1])) & 0xffff0000u));
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < C / 2; ++c)
+        sum = _mm512_dpbf16_ps(sum, qb[c], (__m512bh)_mm512_loadu_si512(k + rows[j] + c * 32));
+      a[j] = reinterpret_cast<vf>(sum);
+    }
+    return;
+  }
+#endif
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; ++j) {
+    vf kr[C];
+    load_row<T, C>(k + rows[j], kr);
+    a[j] = qh[0] * kr[0];
+    for (int c = 1; c < C; ++c) a[j] += qh[c] * kr[c];
+  }
+}
+
+#ifdef __AVX512BF16__
+// The weighted V rows of up to HG query heads of one GQA group (heads [h0, h0 + count)) in
+// bf16-pair dot products: the weights rounded to bf16 as torch's flash attention rounds
+// them, two tokens' V rows interleaved once (a shift, a mask and an or per vector) and used
+// by every head of the pass, whose outputs stay in registers across the tile.
+template <int C, int HG>
+inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
+                                  const vf* p, int64_t h0, int count, float* acc_out) {
+  __m512 acc[HG][C];
+  uint32_t w[HG][kLanes / 2];
+  for (int hl = 0; hl < HG; ++hl) {
+    if (hl >= count) break;
+    std::memcpy(acc[hl], acc_out + (h0 + hl) * C * kLanes, sizeof acc[hl]);
+    const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl]));
+    std::memcpy(w[hl], &rounded, sizeof w[hl]);  // word i: the weights of tokens 2i, 2i + 1
+  }
+  for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
+    __m512bh pairs[C];
+    for (int c = 0; c < C; c += 2) {
+      vu r0, r1;
+      std::memcpy(&r0, v + rows[j] + c * kLanes, sizeof r0);
+      std::memcpy(&r1, v + rows[j + 1] + c * kLanes, sizeof r1);
+      pairs[c] = (__m512bh)((r0 & 0xffffu) | (r1 << 16));              // even dims
+      pairs[c + 1] = (__m512bh)((r0 >> 16) | (r1 & 0xffff0000u));      // odd dims
+    }
+#pragma GCC unroll 8
+    for (int hl = 0; hl < HG; ++hl) {
+      if (hl >= count) break;
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[hl][j / 2]));
+      for (int c = 0; c < C; ++c) acc[hl][c] = _mm512_dpbf16_ps(acc[hl][c], weights, pairs[c]);
+    }
+  }
+  for (int hl = 0; hl < count && hl < HG; ++hl)
+    std::memcpy(acc_out + (h0 + hl) * C * kLanes, acc[hl], sizeof acc[hl]);
+}
+#endif
+
+}  // namespace
