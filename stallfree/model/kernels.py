@@ -107,6 +107,18 @@ def missing_cpu_flags(flags: tuple[str, ...]) -> list[str]:
 
 
 @functools.cache
+def bf16_vectors_unavailable_reason() -> str | None:
+    """Why the kernels' AVX512_BF16 vector paths cannot run here (None: they can)."""
+    if unavailable_reason() is not None:
+        return f"kernels not built: {LIBRARY.reason}"
+    if missing_cpu_flags(("avx512_bf16",)):
+        return "this CPU lacks avx512_bf16"
+    if not torch.ops.stallfree.bf16_vectors_built():
+        return "the kernels were compiled without AVX512_BF16 (a compiler that lacks it)"
+    return None
+
+
+@functools.cache
 def amx_unavailable_reason() -> str | None:
     """Why the AMX paths of the kernels cannot run here (None: they can): no library, a CPU
     without the flags, or the OS refusing this process the tile registers. Fixed for the

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelSwitch, amx_unavailable_reason, missing_cpu_flags
+from .kernels import KernelSwitch, amx_unavailable_reason, bf16_vectors_unavailable_reason
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
@@ -59,10 +59,8 @@ def pair_kernel_unavailable_reason() -> str | None:
     """Why the kernel of the tile packing (csrc/amx_linear.cpp) cannot run here (None: it
     can): it runs in tiles where the CPU has AMX and the OS lets this process use the tile
     registers, else in AVX512_BF16 vectors where the CPU has those."""
-    amx = amx_unavailable_reason()
-    if amx is None or amx.startswith("kernels not built"):
-        return amx
-    return None if not missing_cpu_flags(("avx512_bf16",)) else f"{amx}, nor avx512_bf16"
+    amx, vectors = amx_unavailable_reason(), bf16_vectors_unavailable_reason()
+    return None if amx is None or vectors is None else f"{amx}; {vectors}"
 
 
 def amx_available() -> bool:

@@ -15,8 +15,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .kernels import KernelSwitch, missing_cpu_flags
-from .kernels import unavailable_reason as library_reason
+from .kernels import KernelSwitch, bf16_vectors_unavailable_reason
 from .paged_decode import TILES
 
 SWITCH = KernelSwitch("STALLFREE_PAGED_PREFILL")
@@ -38,10 +37,7 @@ def usable(kv_cache: torch.Tensor) -> bool:
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
-    reason = library_reason()
-    if reason is not None:
-        return f"kernels not built: {reason}"
-    return "this CPU lacks avx512_bf16" if missing_cpu_flags(("avx512_bf16",)) else None
+    return bf16_vectors_unavailable_reason()
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

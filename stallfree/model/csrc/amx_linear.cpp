@@ -296,8 +296,19 @@ at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, in
 
 }  // namespace
 
+// Whether the kernels' AVX512_BF16 paths were compiled in (the compiler knew this CPU's
+// flag): asked by the Python side before it counts on them.
+bool bf16_vectors_built() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("amx_usable() -> bool", &amx_usable);
+  m.def("bf16_vectors_built() -> bool", &bf16_vectors_built);
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, bool tiles=True) -> Tensor");
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int n, bool tiles=True) -> Tensor");
