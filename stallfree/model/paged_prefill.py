@@ -10,7 +10,6 @@ STALLFREE_AMX_ATTENTION=0 keeps its vector path on an AMX CPU.
 """
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager
 
 import torch
@@ -34,7 +33,6 @@ def usable(kv_cache: torch.Tensor) -> bool:
             and SWITCH.usable() and unavailable_reason() is None)
 
 
-@functools.cache
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
     return bf16_vectors_unavailable_reason()

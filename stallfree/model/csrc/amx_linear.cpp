@@ -189,9 +189,20 @@ at::Tensor amx_pack(const at::Tensor& weight) {
   return out;
 }
 
+// fn(first, end) on each thread's equal run of column blocks, in whole pairs (both paths
+// walk the packing two column blocks at a time).
+template <typename F>
+void by_column_pairs(int64_t col_blocks, F&& fn) {
+  const int64_t pairs = (col_blocks + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      fn(2 * (pairs * t / threads), std::min(col_blocks, 2 * (pairs * (t + 1) / threads)));
+  });
+}
+
 #ifdef PAIR_LINEAR_VEC
-// The packing's products in vectors (pair_linear_vec.h): threads take equal runs of
-// column-block pairs, as the tile path's do.
+// The packing's products in vectors (pair_linear_vec.h).
 void vector_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated,
                    at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), col_blocks = n / 16;
@@ -210,12 +221,8 @@ void vector_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, boo
       if (two) store16(o + 16, load16(acc + r * 32 + 16));
     }
   };
-  const int64_t pairs = (col_blocks + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      pair_linear_vec(xa, rows, k, wa, k / 2, 2 * (pairs * t / threads),
-                      std::min(col_blocks, 2 * (pairs * (t + 1) / threads)), store);
+  by_column_pairs(col_blocks, [&](int64_t c0, int64_t c1) {
+    pair_linear_vec(xa, rows, k, wa, k / 2, c0, c1, store);
   });
 }
 #endif
@@ -260,21 +267,14 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const auto* wa = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   auto* oa = out.data_ptr<c10::BFloat16>();
   const int64_t k_tiles = k / 32, col_blocks = n / 16, lda = k * 2;
-  // Threads take equal runs of column-block pairs.
-  const int64_t pairs = (col_blocks + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  by_column_pairs(col_blocks, [&](int64_t c0, int64_t c1) {
     configure_tiles(first_rows, second_rows);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c0 = 2 * (pairs * t / threads);
-      const int64_t c1 = std::min(col_blocks, 2 * (pairs * (t + 1) / threads));
-      for (int64_t r = 0; r < padded; r += kRowChunk) {
-        const int64_t r_end = std::min(padded, r + kRowChunk);
-        if (row_tiles == 1)
-          column_blocks<1>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
-        else
-          column_blocks<2>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
-      }
+    for (int64_t r = 0; r < padded; r += kRowChunk) {
+      const int64_t r_end = std::min(padded, r + kRowChunk);
+      if (row_tiles == 1)
+        column_blocks<1>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
+      else
+        column_blocks<2>(xa, rows, lda, wa, k_tiles, c0, c1, r, r_end, oa, n, gated);
     }
     _tile_release();
   });

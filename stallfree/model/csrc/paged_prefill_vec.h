@@ -6,16 +6,12 @@
 // out^T lives in Scratch::out; 16 rows of it at a time are held in registers.
 #pragma once
 
+#include "bf16_pairs.h"
 #include "paged_prefill.h"
 
 #ifdef PREFILL_KERNEL
 
 namespace {
-
-inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i lanes) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
-                          (__m512bh)lanes);
-}
 
 struct VectorProducts {
   int64_t dim;
@@ -28,13 +24,13 @@ struct VectorProducts {
     for (auto& a : acc) a = _mm512_setzero_ps();
     for (int64_t cc = 0; cc < dim / 32; ++cc)
       for (int64_t r = 0; r < 16; ++r) {
-        const __m512i qr = _mm512_loadu_si512(s.qpack.data() + cc * 256 + r * 16);
+        const __m512bh qr = (__m512bh)_mm512_loadu_si512(s.qpack.data() + cc * 256 + r * 16);
         const int64_t word = cc * 16 + r;
 #pragma GCC unroll 16
         for (int t = 0; t < 16; ++t) {
           uint32_t pair;
           std::memcpy(&pair, k + t * k_stride + 2 * word, sizeof pair);
-          acc[t] = dot_pairs(acc[t], pair, qr);
+          acc[t] = dot_pair(acc[t], pair, qr);
         }
       }
     for (int t = 0; t < 16; ++t) _mm512_store_ps(scores + t * kQueries, acc[t]);
@@ -54,9 +50,9 @@ struct VectorProducts {
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_loadu_ps(out + i * kQueries);
       for (int64_t k = 0; k < 16; ++k) {
-        const __m512i w = _mm512_load_si512(s.weights + k * kQueries);
+        const __m512bh w = (__m512bh)_mm512_load_si512(s.weights + k * kQueries);
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = dot_pairs(acc[i], v[(d0 + i) * 16 + k], w);
+        for (int i = 0; i < 16; ++i) acc[i] = dot_pair(acc[i], v[(d0 + i) * 16 + k], w);
       }
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * kQueries, acc[i]);
     }

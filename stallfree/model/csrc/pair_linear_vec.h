@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_pairs.h"
 #include "vec.h"
 
 #ifdef __AVX512BF16__
@@ -45,9 +46,8 @@ inline void pair_block(const uint16_t* x, int64_t lda, const uint16_t* w0, const
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
       std::memcpy(&pair, x + m * lda + 2 * p, sizeof pair);
-      const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      a0[m] = _mm512_dpbf16_ps(a0[m], xa, b0);
-      if (Two) a1[m] = _mm512_dpbf16_ps(a1[m], xa, b1);
+      a0[m] = dot_pair(a0[m], pair, b0);
+      if (Two) a1[m] = dot_pair(a1[m], pair, b1);
     }
   }
   for (int m = 0; m < M; ++m) {
