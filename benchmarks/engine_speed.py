@@ -10,7 +10,9 @@ RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked f
 amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
 weights repacked at each switch), amx_attention (decode attention's scores in AMX tiles;
 its other path is the kernel's vectors), paged_prefill (prefill attention over the paged cache; its
-torch path gathers the context and runs SDPA; measured on prefills, not decode steps).
+torch path gathers the context and runs SDPA; measured on prefills, not decode steps),
+layer_loop (the decoder layers in one C++ call; its other path is the Python layer loop
+calling the same kernels).
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import torch
 
 from stallfree import LLM, SamplingParams
 from stallfree.executor.hardware import cpu_flags
-from stallfree.model import layers, linear, paged_decode, paged_prefill
+from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
             "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
-            "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH}
+            "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH,
+            "layer_loop": layer_loop.SWITCH}
 # Switches read when the weights are packed, at load: the model is repacked at each switch.
 REPACK = {"amx_linear", "packed_linear"}
 PREFILL = {"paged_prefill"}  # compared on prefill chunks

@@ -8,6 +8,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .layer_loop import LayerLoop
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear, PackedWeight, linear, pack_weight
 from .parallel import Shard, VocabParallelEmbedding
@@ -118,9 +119,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         # One RoPE lookup per forward, shared by all layers.
         cos, sin = self.model.rotary.lookup(positions, x.dtype)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, attn_metadata, kv_cache[i])
+        loop = self.layer_loop
+        if loop is not None and loop.fits(x, attn_metadata, kv_cache):
+            x, residual = loop(x, cos, sin, attn_metadata, kv_cache)
+        else:
+            residual = None
+            for i, layer in enumerate(self.model.layers):
+                x, residual = layer(x, residual, cos, sin, attn_metadata, kv_cache[i])
         if residual is None:  # a stage without layers
             return x if self.model.norm is None else self.model.norm(x)
         if self.model.norm is None:  # the next stage gets the whole stream
@@ -137,6 +142,9 @@ class LlamaForCausalLM(nn.Module):
 
     # The tied embedding's packed copy (linear.pack_weight); lm_head, a Linear, holds its own.
     logits_packed: PackedWeight | None = None
+    # The layers in one C++ call where their weights allow it (layer_loop.py); set by prepack.
+    layer_loop: LayerLoop | None = None
+    layer_loop_reason: str | None = "weights not prepacked"
 
     def prepack(self) -> None:
         """Reorder matmul weights for the CPU's matmul library; once their values are final."""
@@ -153,6 +161,12 @@ class LlamaForCausalLM(nn.Module):
             logger.info("bf16 matmul weights prepacked for %s: %.0f MB more memory "
                         "(STALLFREE_AMX_LINEAR=0 / STALLFREE_PACKED_LINEAR=0 turn it off)",
                         "+".join(layouts), sum(p.nbytes for p in packs) / 1e6)
+        self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard)
+        if self.layer_loop is not None:
+            logger.info("decoder layers run in one C++ call where a batch allows it "
+                        "(STALLFREE_LAYER_LOOP=0 turns it off)")
+        else:
+            logger.info("decoder layers loop in Python: %s", self.layer_loop_reason)
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""

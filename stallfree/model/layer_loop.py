@@ -1,0 +1,107 @@
+"""A forward pass's decoder layers in one call to the CPU kernels (csrc/layer_loop.cpp).
+
+Where every step of a layer runs in a kernel anyway (bf16 weights in the tile packing of
+linear.py, the fused norms and RoPE of layers.py, paged attention in its kernels), the
+Python between those calls is all that is left to save: at a one-row decode step it cost a
+fifth of the step (docs/benchmarks.md, "The layer loop in C++"). The C++ loop calls the same
+kernels in the same order, so its results are the Python path's to the bit; the tests hold
+it to that. Anything else (tensor parallelism, biases, float32 weights, a switch off, a
+batch a kernel does not take) takes the Python loop, which stays the reference.
+STALLFREE_LAYER_LOOP=0 turns it off.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import layers as fused
+from . import linear, paged_decode
+from .attention import AttentionMetadata
+from .kernels import KernelSwitch
+from .parallel import Shard
+
+SWITCH = KernelSwitch("STALLFREE_LAYER_LOOP")
+
+
+def _linears(layer: nn.Module) -> dict[str, linear.Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up_proj": mlp.gate_up_proj,
+            "down_proj": mlp.down_proj}
+
+
+def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
+    """Why these layers cannot run in the C++ loop whatever the batch (None: they can)."""
+    if not layers:
+        return "no decoder layers on this stage"
+    if shard.tp_size > 1:
+        return "tensor parallelism (an all-reduce between a layer's kernels)"
+    eps = {norm.eps for layer in layers
+           for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(eps) > 1:
+        return "the layers' norms differ in eps"
+    for name, module in _linears(layers[0]).items():
+        want = "amx_gated" if name == "gate_up_proj" else "amx"
+        if module.bias is not None:
+            return f"{name} has a bias"
+        if module.packed is None or module.packed.layout != want:
+            return f"{name} is not packed for the tile kernel (linear.pack_weight)"
+    return None
+
+
+@dataclass(frozen=True)
+class LayerLoop:
+    weights: list[torch.Tensor]  # per layer: norm, qkv, o, norm, gate/up, down (packed)
+    heads: int
+    kv_heads: int
+    gate_up_features: int
+    eps: float
+    scale: float
+
+    @classmethod
+    def build(cls, layers: Sequence[nn.Module],
+              shard: Shard) -> tuple[LayerLoop | None, str | None]:
+        """(the loop over `layers`, None) once their weights are packed, else (None, why)."""
+        reason = _unfit_reason(layers, shard)
+        if reason is not None:
+            return None, reason
+        weights = []
+        for layer in layers:
+            mods = _linears(layer)
+            weights += [layer.input_layernorm.weight, mods["qkv_proj"].packed.data,
+                        mods["o_proj"].packed.data, layer.post_attention_layernorm.weight,
+                        mods["gate_up_proj"].packed.data, mods["down_proj"].packed.data]
+        attn = layers[0].self_attn
+        return cls(weights, attn.num_heads, attn.num_kv_heads,
+                   layers[0].mlp.gate_up_proj.weight.shape[0],
+                   layers[0].input_layernorm.eps, attn.scale), None
+
+    def fits(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """Whether this batch takes the C++ loop: each call there is the kernel the Python
+        path would choose for it (after `meta.prepare`)."""
+        if not (SWITCH.usable() and linear.AMX.enabled and fused.FUSED.usable()
+                and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.is_contiguous() and x.shape[0] <= linear.AMX_MAX_ROWS
+                and kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
+                and kv_cache.shape[-1] % 32 == 0):
+            return False
+        decodes = x.shape[0] > meta.num_prefill_tokens
+        if decodes and not paged_decode.usable(kv_cache[0]):
+            return False
+        return meta.num_prefill_tokens == 0 or meta.prefill_kernel_lens is not None
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata,
+                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it), as the Python loop
+        of LlamaForCausalLM.forward returns them; cos/sin from RotaryEmbedding.lookup."""
+        t = x.shape[0]
+        prefill = ([meta.prefill_table, *meta.prefill_kernel_lens]
+                   if meta.num_prefill_tokens else [])
+        return torch.ops.stallfree.decoder_layers(
+            x, self.weights, kv_cache, cos.reshape(t, -1), sin.reshape(t, -1),
+            meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, prefill,
+            meta.num_prefill_tokens, self.heads, self.kv_heads, self.gate_up_features,
+            self.eps, self.scale, paged_decode.TILES.enabled)

@@ -1,0 +1,147 @@
+"""The decoder layers in one C++ call (stallfree/model/layer_loop.py) against the Python
+layer loop, the reference: the same kernels in the same order, so the same bits, in the
+hidden states and in every KV slot written.
+
+The loop needs the bf16 weights packed for the tile kernel (AMX or AVX512_BF16); on a CPU
+without either the tests that run it skip and say which flag is missing, and the reasons
+the loop gives for not running are tested everywhere.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stallfree import LLM, SamplingParams
+from stallfree.model import AttentionMetadata, allocate_kv_cache, layer_loop, load_model
+from stallfree.model.attention import GatherWorkspace
+from stallfree.model.layer_loop import LayerLoop
+from stallfree.model.linear import pair_kernel_unavailable_reason
+from stallfree.model.parallel import Shard
+
+MISSING = pair_kernel_unavailable_reason()
+needs_loop = pytest.mark.skipif(MISSING is not None,
+                                reason=f"the layer loop needs the packed bf16 kernel: {MISSING}")
+BLOCK_SIZE, NUM_BLOCKS = 16, 160
+# Head size 64 (RoPE's kernel takes multiples of 32), GQA groups of 2, three layers.
+SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("loop_llama"), **SHAPE)
+
+
+def _forward(model, config, seqs, seed: int, loop: bool):
+    """(hidden states, KV cache) of one forward over `seqs` [(cached, new, table)] with a
+    random cache, the C++ loop on or off; asserts it was taken when on."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, "cpu")
+    kv.copy_(torch.randn(kv.shape, generator=gen))
+    rows = sum(n for _, n, _ in seqs)
+    ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
+    pos = torch.cat([torch.arange(c, c + n) for c, n, _ in seqs])
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace())
+    with torch.inference_mode(), layer_loop.SWITCH.within(loop):
+        hidden = model(ids, pos, meta, kv)
+        if loop:
+            x = torch.empty(rows, config.hidden_size, dtype=torch.bfloat16)
+            assert model.layer_loop.fits(x, meta, kv), "the batch took the Python loop"
+    return hidden, kv
+
+
+def _batch(chunks: list[tuple[int, int]], decodes: list[int], seed: int):
+    """Prefill chunks (cached, new) first, then decodes of the given contexts, each on
+    shuffled blocks of its own."""
+    free = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(free)
+    seqs = []
+    for cached, new in chunks + [(c - 1, 1) for c in decodes]:
+        n = -(-(cached + new) // BLOCK_SIZE)
+        seqs.append((cached, new, free[:n]))
+        free = free[n:]
+    return seqs
+
+
+@needs_loop
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks=st.lists(st.tuples(st.integers(0, 400), st.integers(2, 200)), max_size=3),
+       decodes=st.lists(st.integers(1, 500), max_size=5), seed=st.integers(0, 2**16))
+def test_property_the_loop_equals_the_python_layers(model_dir, chunks, decodes, seed):
+    """Decodes alone, chunks alone (with and without a cached prefix) and both in one batch:
+    the hidden states and the KV cache agree to the bit."""
+    if not chunks and not decodes:
+        decodes = [1]
+    model, config = _load(model_dir)
+    seqs = _batch(chunks, decodes, seed)
+    hidden, kv = _forward(model, config, seqs, seed, loop=True)
+    ref_hidden, ref_kv = _forward(model, config, seqs, seed, loop=False)
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(kv, ref_kv)
+
+
+_LOADED: dict[str, tuple] = {}
+
+
+def _load(path: str | None):
+    if path not in _LOADED:
+        _LOADED[path] = load_model(path, torch.bfloat16, "cpu")
+    return _LOADED[path]
+
+
+@needs_loop
+def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way():
+    """End to end on the default model: decodes beside chunked prefills, greedy, no prefix
+    cache (a prefix served from it is computed differently, whichever loop runs)."""
+    llm = LLM(max_model_len=1024, dtype="bfloat16", token_budget=64,
+              enable_prefix_caching=False)
+    assert llm.engine.executor.model.layer_loop is not None
+    prompts = [[(i * 7919 + j * 31) % 40000 + 100 for j in range(20 + 53 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for on in (True, False):
+        with layer_loop.SWITCH.within(on):
+            outputs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    assert [o.logprobs for o in outputs[True]] == [o.logprobs for o in outputs[False]]
+
+
+def test_layers_it_cannot_run_say_why(model_dir):
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    assert model.layer_loop is None and "not packed" in model.layer_loop_reason
+    assert LayerLoop.build(model.model.layers, Shard(tp_size=2))[1].startswith("tensor")
+    assert LayerLoop.build([], Shard())[1] == "no decoder layers on this stage"
+    if MISSING is None:
+        layer = copy.deepcopy(_load(model_dir)[0].model.layers[0])
+        assert LayerLoop.build([layer], Shard())[1] is None
+        qkv = layer.self_attn.qkv_proj
+        qkv.bias = torch.nn.Parameter(torch.zeros(qkv.weight.shape[0]))
+        assert LayerLoop.build([layer], Shard())[1] == "qkv_proj has a bias"
+
+
+@needs_loop
+def test_batches_a_kernel_does_not_take_run_the_python_layers(model_dir):
+    """A float32 batch, the loop's switch off, a matmul switch off: `fits` says no."""
+    from stallfree.model import linear
+
+    model, config = _load(model_dir)
+    seqs = _batch([], [30], 0)
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace())
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, "cpu")
+    meta.prepare(kv[0])
+    x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
+    loop = model.layer_loop
+    assert loop.fits(x, meta, kv)
+    assert not loop.fits(x.float(), meta, kv)
+    with layer_loop.SWITCH.within(False):
+        assert not loop.fits(x, meta, kv)
+    with linear.AMX.within(False):
+        assert not loop.fits(x, meta, kv)
