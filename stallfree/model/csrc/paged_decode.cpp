@@ -34,26 +34,31 @@
 
 namespace {
 
-// One query head's scores for the tile and its softmax step: the running max and sum move,
-// acc [C] (the head's output so far) is rescaled where the max rose; returns the weights.
-template <typename T, int C>
-inline vf softmax_step(const vf* qh, const T* k, const int64_t* rows, int n, const Partial& out,
-                       int64_t h, vf* acc) {
+// The scores of query heads [h0, h0 + count) (count <= HG) for the tile and their softmax
+// step: each head's running max and sum move; p[i] gets its weights and alpha[i] the factor
+// by which what it accumulated so far shrinks (1 unless its max rose). The heads go through
+// each stage together: their reductions are short dependent chains (a max across lanes, an
+// exp, a sum), and side by side they overlap where one head at a time waits on each.
+template <typename T, int C, int HG>
+inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
+                          const Partial& out, int64_t h0, int count, vf* p, float* alpha) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
-  vf a[kLanes];
-  key_products<T, C>(qh, k, rows, a);
-  const vf scores = lane < n ? hsum16(a) : minus_inf;
-  const float m = std::max(out.max[h], hmax(scores));
-  if (m > out.max[h]) {  // a new maximum: rescale what was accumulated under the old one
-    const float alpha = std::exp(out.max[h] - m);
-    out.sum[h] *= alpha;
-    for (int c = 0; c < C; ++c) acc[c] *= alpha;
-    out.max[h] = m;
+  vf scores[HG];
+  float m[HG];
+  for (int i = 0; i < count; ++i) {
+    vf a[kLanes];
+    key_products<T, C>(q + (h0 + i) * C, k, rows, a);
+    scores[i] = lane < n ? hsum16(a) : minus_inf;
   }
-  const vf p = lane < n ? exp_nonpositive(scores - m) : vf{};
-  out.sum[h] += hsum(p);
-  return p;
+  for (int i = 0; i < count; ++i) m[i] = std::max(out.max[h0 + i], hmax(scores[i]));
+  for (int i = 0; i < count; ++i) {
+    const int64_t h = h0 + i;
+    alpha[i] = m[i] > out.max[h] ? std::exp(out.max[h] - m[i]) : 1.f;
+    out.max[h] = m[i];
+    p[i] = lane < n ? exp_nonpositive(scores[i] - m[i]) : vf{};
+  }
+  for (int i = 0; i < count; ++i) out.sum[h0 + i] = out.sum[h0 + i] * alpha[i] + hsum(p[i]);
 }
 
 // Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
@@ -68,37 +73,32 @@ template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {
   const int64_t group = s.heads / s.kv_heads;
+  // Heads per pass: HG * C accumulators for the weighted values of the pairs path.
+  constexpr int HG = kSplit<T, C> ? (C >= 12 ? 1 : 12 / C) : 1;
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
     const int64_t head = kv * C * kLanes;
     prefetch_rows(k, v, next, n_next, head, C * kLanes * int64_t(sizeof(T)));
+    for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += HG) {
+      const int count = static_cast<int>(std::min<int64_t>(HG, (kv + 1) * group - h0));
+      vf p[HG];
+      float alpha[HG];
+      softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha);
 #ifdef __AVX512BF16__
-    if constexpr (kSplit<T, C>) {
-      constexpr int HG = C >= 12 ? 1 : 12 / C;  // heads per pass: HG * C accumulators
-      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += HG) {
-        const int count = static_cast<int>(std::min<int64_t>(HG, (kv + 1) * group - h0));
-        vf p[HG];
-        for (int hl = 0; hl < count; ++hl) {
-          float* acc = out.acc + (h0 + hl) * C * kLanes;
-          vf held[C];
-          std::memcpy(held, acc, sizeof held);
-          p[hl] = softmax_step<T, C>(q + (h0 + hl) * C, k + head, rows, n, out, h0 + hl, held);
-          std::memcpy(acc, held, sizeof held);
-        }
-        weighted_values_pairs<C, HG>(v + head, rows, n, p, h0, count, out.acc);
+      if constexpr (kSplit<T, C>) {
+        weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc);
+        continue;
       }
-      continue;
-    }
 #endif
-    for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+      float* acc_out = out.acc + h0 * C * kLanes;
       vf acc[C];
-      std::memcpy(acc, out.acc + h * C * kLanes, sizeof acc);
-      const vf p = softmax_step<T, C>(q + h * C, k + head, rows, n, out, h, acc);
+      std::memcpy(acc, acc_out, sizeof acc);
+      for (int c = 0; c < C; ++c) acc[c] *= alpha[0];
       for (int j = 0; j < n; ++j) {
         vf vr[C];
         load_row<T, C>(v + rows[j] + head, vr);
-        for (int c = 0; c < C; ++c) acc[c] += p[j] * vr[c];
+        for (int c = 0; c < C; ++c) acc[c] += p[0][j] * vr[c];
       }
-      std::memcpy(out.acc + h * C * kLanes, acc, sizeof acc);
+      std::memcpy(acc_out, acc, sizeof acc);
     }
   }
 }

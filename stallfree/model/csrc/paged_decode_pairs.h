@@ -49,17 +49,20 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 
 #ifdef __AVX512BF16__
 // The weighted V rows of up to HG query heads of one GQA group (heads [h0, h0 + count)) in
-// bf16-pair dot products: the weights rounded to bf16 as torch's flash attention rounds
-// them, two tokens' V rows interleaved once (a shift, a mask and an or per vector) and used
-// by every head of the pass, whose outputs stay in registers across the tile.
+// bf16-pair dot products, added to their outputs so far scaled by alpha: the weights
+// rounded to bf16 as torch's flash attention rounds them, two tokens' V rows interleaved
+// once (a shift, a mask and an or per vector) and used by every head of the pass, whose
+// outputs stay in registers across the tile.
 template <int C, int HG>
 inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
-                                  const vf* p, int64_t h0, int count, float* acc_out) {
+                                  const vf* p, const float* alpha, int64_t h0, int count,
+                                  float* acc_out) {
   __m512 acc[HG][C];
   uint32_t w[HG][kLanes / 2];
   for (int hl = 0; hl < HG; ++hl) {
     if (hl >= count) break;
     std::memcpy(acc[hl], acc_out + (h0 + hl) * C * kLanes, sizeof acc[hl]);
+    for (int c = 0; c < C; ++c) acc[hl][c] = _mm512_mul_ps(acc[hl][c], _mm512_set1_ps(alpha[hl]));
     const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl]));
     std::memcpy(w[hl], &rounded, sizeof w[hl]);  // word i: the weights of tokens 2i, 2i + 1
   }
