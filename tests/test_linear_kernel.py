@@ -10,6 +10,8 @@ without AMX, both are the vectors).
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from stallfree.model.linear import (
     gated_linear,
     linear,
     pack_weight,
+    pair_kernel_max_rows,
     pair_kernel_unavailable_reason,
     silu_mul,
 )
@@ -215,16 +218,20 @@ def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit
     layer = Linear(64, 48, bias=True).bfloat16()
     layer.prepack()
     assert layer.packed.layout == "amx"
-    for tokens in (1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    sizes = (1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1)
+    for tokens in sizes:
         x = torch.randn(tokens, 64).bfloat16()
         got = layer(x)
         bound = 2 * _bound(x, layer.weight) + 2 * BF16_EPS * layer.bias.double().abs()
         assert ((got.double() - F.linear(x, layer.weight, layer.bias).double()).abs()
                 <= 2 * bound).all()
-    assert calls == [1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS]  # more rows: torch
+    # More rows than the limit (AMX tiles only; vectors have none): torch.
+    assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
+    assert pair_kernel_max_rows() == (AMX_MAX_ROWS if AMX_MISSING is None else sys.maxsize)
+    count = len(calls)
     with AMX.within(False):
         layer(torch.randn(8, 64).bfloat16())
-    assert len(calls) == 3
+    assert len(calls) == count
     # Shapes the tiles cannot cover fall back to oneDNN's layout (or none).
     odd = pack_weight(torch.randn(40, 64).bfloat16())
     assert odd is None or odd.layout == "onednn"
@@ -283,18 +290,21 @@ def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypa
     layer = GatedLinear(64, 2 * 96, bias=False).bfloat16()
     layer.prepack()
     assert layer.packed.layout == "amx_gated"
-    for tokens in (1, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    sizes = (1, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1)
+    for tokens in sizes:
         x = torch.randn(tokens, 64).bfloat16()
         assert _within_one_bf16_step(layer(x), silu_mul(F.linear(x, layer.weight)))
-    assert calls == [1, 33, AMX_MAX_ROWS]  # more rows: torch's matmul, then the two ops
+    # Past the limit: torch's matmul, then the two ops.
+    assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
+    count = len(calls)
     with AMX.within(False):
         layer(torch.randn(8, 64).bfloat16())
-    assert len(calls) == 3
+    assert len(calls) == count
     # Halves of a size the gated packing cannot interleave keep the plain packing, unfused.
     odd = GatedLinear(64, 2 * 48, bias=False).bfloat16()
     odd.prepack()
     assert odd.packed.layout == "amx"
     x = torch.randn(5, 64).bfloat16()
     assert torch.equal(odd(x), silu_mul(linear(x, odd.weight, packed=odd.packed)))
-    assert len(calls) == 3
+    assert len(calls) == count
 

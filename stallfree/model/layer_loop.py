@@ -83,7 +83,7 @@ class LayerLoop:
         path would choose for it (after `meta.prepare`)."""
         if not (SWITCH.usable() and linear.AMX.enabled and fused.FUSED.usable()
                 and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.is_contiguous() and x.shape[0] <= linear.AMX_MAX_ROWS
+                and x.is_contiguous() and x.shape[0] <= linear.pair_kernel_max_rows()
                 and kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
                 and kv_cache.shape[-1] % 32 == 0):
             return False

@@ -19,6 +19,8 @@ STALLFREE_PACKED_LINEAR=0 turn each path off.
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,8 @@ PACKED = KernelSwitch("STALLFREE_PACKED_LINEAR", needs_library=False)
 AMX = KernelSwitch("STALLFREE_AMX_LINEAR")
 # Measured on a 2-core AMX CPU (model shapes, 30 layers' weights): the AMX kernel takes
 # 0.7-0.95x oneDNN's time at 1-512 rows and 1.2-1.35x at 2048, where oneDNN's blocking
-# reuses x better; torch's matmul (which reorders the plain weight) takes those.
+# reuses x better; torch's matmul (which reorders the plain weight) takes those. In vectors
+# there is no such limit (pair_kernel_max_rows).
 AMX_MAX_ROWS = 1024
 # oneDNN picks its blocking for this many rows; measured: as fast as a per-size packing
 # at 8-128 rows and the fastest at a 512-token prefill chunk.
@@ -61,6 +64,15 @@ def pair_kernel_unavailable_reason() -> str | None:
     registers, else in AVX512_BF16 vectors where the CPU has those."""
     amx, vectors = amx_unavailable_reason(), bf16_vectors_unavailable_reason()
     return None if amx is None or vectors is None else f"{amx}; {vectors}"
+
+
+@functools.cache
+def pair_kernel_max_rows() -> int:
+    """Rows up to which a matmul runs in the tile packing's kernel: AMX_MAX_ROWS in tiles, any
+    number in vectors. On a 2-core EPYC the vector path was as fast as oneDNN's prepacked
+    matmul at 1024-2048 rows and 1.17x faster than torch's (docs/benchmarks.md), which is
+    what a weight packed for the kernel falls back to, with SiLU x up unfused."""
+    return AMX_MAX_ROWS if amx_unavailable_reason() is None else sys.maxsize
 
 
 def amx_available() -> bool:
@@ -107,7 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias) for x [T, in], in a kernel or from `packed` (the
     `pack_weight` of `weight`) where either pays."""
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
-    if (packed_fits and packed.layout == "amx" and x.shape[0] <= AMX_MAX_ROWS
+    if (packed_fits and packed.layout == "amx" and x.shape[0] <= pair_kernel_max_rows()
             and AMX.enabled):
         out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
     elif runs_in_kernel(x, weight):
@@ -131,7 +143,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
     """Whether `gated_linear` runs x of `rows` rows in the AMX kernel's fused form."""
-    return (packed is not None and packed.layout == "amx_gated" and rows <= AMX_MAX_ROWS
+    return (packed is not None and packed.layout == "amx_gated" and rows <= pair_kernel_max_rows()
             and AMX.enabled)
 
 
