@@ -181,10 +181,62 @@ struct TileQuery {
   float scale = 1.f;
 };
 
+// The query as the vector path reads it: q itself, in its dtype and strides (often a view
+// of the fused qkv), scaled and widened as each work item takes its row into registers, so
+// no converted copy of q is made per call.
+struct VectorQuery {
+  const void* data;
+  at::ScalarType type;
+  int64_t row, head;  // strides, in elements
+  float scale;
+};
+
+template <typename T, int C, typename Q>
+void hold_query_as(const Q* q, int64_t head_stride, int64_t H, float scale, vf* qv) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c)
+      for (int l = 0; l < kLanes; ++l)
+        qv[h * C + c][l] = static_cast<float>(q[h * head_stride + dim_of<T, C>(c, l)]) * scale;
+}
+
 template <typename T, int C>
-void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T* cache,
-         const int64_t* tables, const int64_t* lens, int64_t rows, float* out, int64_t split,
-         TileQuery tq) {
+void hold_query(const VectorQuery& q, int64_t row, int64_t H, vf* qv) {
+  const int64_t at = row * q.row;
+  switch (q.type) {
+    case at::kBFloat16:
+      return hold_query_as<T, C>(static_cast<const c10::BFloat16*>(q.data) + at, q.head, H,
+                                 q.scale, qv);
+    case at::kHalf:
+      return hold_query_as<T, C>(static_cast<const c10::Half*>(q.data) + at, q.head, H,
+                                 q.scale, qv);
+    default:
+      return hold_query_as<T, C>(static_cast<const float*>(q.data) + at, q.head, H, q.scale,
+                                 qv);
+  }
+}
+
+// Row r of the output [B, H * D] in its dtype, from fp32 (rounded as torch's .to() rounds).
+void store_row(const float* src, at::Tensor& out, int64_t r) {
+  const int64_t n = out.size(1) * out.size(2);
+  switch (out.scalar_type()) {
+    case at::kBFloat16: {
+      c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = c10::BFloat16(src[i]);
+      return;
+    }
+    case at::kHalf: {
+      c10::Half* o = out.data_ptr<c10::Half>() + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);
+      return;
+    }
+    default:
+      std::memcpy(out.data_ptr<float>() + r * n, src, n * sizeof(float));
+  }
+}
+
+template <typename T, int C>
+void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* tables,
+         const int64_t* lens, int64_t rows, at::Tensor& out, int64_t split, TileQuery tq) {
   const int64_t H = s.heads, D = s.dim;
   const T* k_cache = cache;
   const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
@@ -232,10 +284,7 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
     for (int64_t th = t0; th < t1; ++th) {
       for (int64_t i = first[th]; i < first[th + 1]; ++i) {
         const Item& it = items[i];
-        for (int64_t h = 0; h < H; ++h)
-          for (int c = 0; c < C; ++c)
-            for (int l = 0; l < kLanes; ++l)
-              qv[h * C + c][l] = q[it.row * q_row + h * q_head + dim_of<T, C>(c, l)];
+        hold_query<T, C>(q, it.row, H, qv.data());
         attend<T, C>(s, qv.data(), k_cache, v_cache, tables + it.row * s.max_blocks, it,
                      partial(i));
       }
@@ -247,12 +296,12 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
   for (int64_t r = 0; r < rows; ++r) row_first[r + 1] += row_first[r];
   // On the calling thread: a few floats per query head and part (~2% of the attention's
   // reads), where a second parallel region would add a barrier.
-  std::vector<float> held(D);  // one head's output in held order
+  std::vector<float> held(D), o(H * D);  // one head's output in held order; one row's
   for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * H * D;
     const int64_t a = row_first[r], b = row_first[r + 1];
     if (a == b) {  // no context: nothing to attend to
-      std::fill(o, o + H * D, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
+      store_row(o.data(), out, r);
       continue;
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -268,10 +317,11 @@ void run(const Shape& s, const float* q, int64_t q_row, int64_t q_head, const T*
         for (int64_t d = 0; d < D; ++d) held[d] += w * acc[d];
       }
       const float inv = 1.f / total;
-      float* oh = o + h * D;
+      float* oh = o.data() + h * D;
       for (int c = 0; c < C; ++c)
         for (int l = 0; l < kLanes; ++l) oh[dim_of<T, C>(c, l)] = held[c * kLanes + l] * inv;
     }
+    store_row(o.data(), out, r);
   }
 }
 
@@ -302,33 +352,30 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lens[r] >= 0 && lens[r] <= s.max_blocks * s.block_size, "context ", lens[r],
                 " of row ", r, " does not fit its block table");
-  at::Tensor out = at::empty({rows, s.heads, s.dim}, q.options().dtype(at::kFloat));
-  if (rows == 0) return out.to(q.scalar_type());
+  const at::ScalarType q_type = q.scalar_type();
+  TORCH_CHECK(q_type == at::kFloat || q_type == at::kBFloat16 || q_type == at::kHalf,
+              "paged_decode: unsupported query dtype ", q_type);
+  at::Tensor out = at::empty({rows, s.heads, s.dim}, q.options());
+  if (rows == 0) return out;
   split = part_tokens(split, lens, rows);
-  float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  // The query as the path taking it wants it, a new contiguous tensor either way (q may be
-  // a view of a fused qkv): bf16 and unscaled for the tiles, scaled fp32 for the vectors.
+  // The query as the path taking it wants it: a bf16 contiguous copy, unscaled, for the
+  // tiles; q as it is for the vectors (rows and heads at any stride, dims contiguous).
   TileQuery tq;
-  at::Tensor qb, qf;
-  const float* qp = nullptr;
-  int64_t q_row = 0, q_head = 0;
+  at::Tensor qb, qd = q.stride(2) == 1 ? q : q.contiguous();
   if (tiles && kv_cache.scalar_type() == at::kBFloat16 && amx_attention_fits(s)) {
     qb = q.to(at::kBFloat16).contiguous();
     tq = {qb.data_ptr<c10::BFloat16>(), static_cast<float>(scale)};
-  } else {
-    qf = q.to(at::kFloat).mul(scale);
-    qp = qf.data_ptr<float>();
-    q_row = qf.stride(0);
-    q_head = qf.stride(1);
   }
+  const VectorQuery vq{qd.data_ptr(), q_type, qd.stride(0), qd.stride(1),
+                       static_cast<float>(scale)};
   auto dispatch = [&](auto* cache) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
     switch (s.dim) {
-      case 16: return run<T, 1>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
-      case 32: return run<T, 2>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
-      case 64: return run<T, 4>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
-      case 128: return run<T, 8>(s, qp, q_row, q_head, cache, tables, lens, rows, op, split, tq);
+      case 16: return run<T, 1>(s, vq, cache, tables, lens, rows, out, split, tq);
+      case 32: return run<T, 2>(s, vq, cache, tables, lens, rows, out, split, tq);
+      case 64: return run<T, 4>(s, vq, cache, tables, lens, rows, out, split, tq);
+      case 128: return run<T, 8>(s, vq, cache, tables, lens, rows, out, split, tq);
       default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", s.dim);
     }
   };
@@ -338,7 +385,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
     case at::kHalf: dispatch(kv_cache.data_ptr<c10::Half>()); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", kv_cache.scalar_type());
   }
-  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+  return out;
 }
 
 }  // namespace
