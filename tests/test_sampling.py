@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stallfree import SamplingParams
-from stallfree.executor.sampler import Sampler, sample_inverse_cdf
+from stallfree.executor.sampler import ARGMAX, Sampler, argmax_rows, sample_inverse_cdf
+from stallfree.model.kernels import unavailable_reason
 from stallfree.request import Request
 
 
@@ -70,6 +73,43 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     batched = Sampler(seed=9)(logits,
                               [_req(SamplingParams()), _req(seeded), _req(SamplingParams())])
     assert alone[0] == batched[1]
+
+
+KERNELS_MISSING = unavailable_reason()
+
+
+@pytest.mark.skipif(KERNELS_MISSING is not None, reason=f"kernels not built: {KERNELS_MISSING}")
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 5), width=st.integers(1, 200), seed=st.integers(0, 2**16),
+       levels=st.integers(1, 4), specials=st.lists(
+           st.tuples(st.integers(0, 999), st.sampled_from([float("nan"), float("inf"),
+                                                           float("-inf")])), max_size=3),
+       all_minus_inf=st.booleans())
+def test_property_the_argmax_kernel_equals_torch(rows, width, seed, levels, specials,
+                                                 all_minus_inf):
+    """Widths off and on whole vectors, ties (few distinct values: the first index wins),
+    NaN (largest of all, as torch has it), infinities, rows of -inf only."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, width), generator=gen).float()
+    for index, value in specials:
+        if rows:
+            x.view(-1)[index % x.numel()] = value
+    if all_minus_inf and rows:
+        x[0] = float("-inf")
+    with ARGMAX.within(True):
+        got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_the_sampler_leaves_the_callers_logits_raw():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    raw = logits.clone()
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0,
+                                                                     min_tokens=5)),
+            _req(SamplingParams(temperature=0.7, seed=1, frequency_penalty=1.0), outputs=[4])]
+    Sampler()(logits, reqs)
+    Sampler()(logits, reqs[:1])  # greedy alone: no copy, and no write either
+    assert torch.equal(logits, raw)
 
 
 def test_penalties_and_min_tokens():
