@@ -1,6 +1,6 @@
 // Decode attention that reads the paged KV cache in place (CPU).
 //
-// One query token per request against its context, read 16 tokens at a time straight from
+// One query token per request against its context, read 32 tokens at a time straight from
 // the cache [2, num_blocks, block_size, Hkv, D] through the request's block table: no
 // gather into a dense buffer, no padding to the longest context. Online softmax in fp32;
 // bfloat16 and float16 rows are widened to fp32 in registers where they are used, the
@@ -30,38 +30,58 @@
 #include "paged_decode.h"
 #include "paged_decode_amx.h"
 #include "paged_decode_pairs.h"
+#include "paged_decode_query.h"
 #include "vec.h"
 
 namespace {
 
-// The scores of query heads [h0, h0 + count) (count <= HG) for the tile and their softmax
-// step: each head's running max and sum move; p[i] gets its weights and alpha[i] the factor
-// by which what it accumulated so far shrinks (1 unless its max rose). The heads go through
-// each stage together: their reductions are short dependent chains (a max across lanes, an
-// exp, a sum), and side by side they overlap where one head at a time waits on each.
+// Tokens per tile: two vectors of scores per query head, so the softmax's reductions across
+// lanes and its rescaling come once per 32 keys (1.04-1.23x per layer at 1-64 decodes
+// against tiles of 16, 2-core EPYC).
+constexpr int kTile = 2 * kLanes;
+
+// The scores of query heads [h0, h0 + count) (count <= HG) for the tile's n tokens and their
+// softmax step: each head's running max and sum move; p[i] gets its weights (tokens 0-15,
+// 16-31) and alpha[i] the factor by which what it accumulated so far shrinks (1 unless its
+// max rose). The heads go through each stage together: their reductions are short
+// dependent chains (a max across lanes, an exp, a sum), and side by side they overlap where
+// one head at a time waits on each (1.55x on L2-resident KV against one head at a time).
+
 template <typename T, int C, int HG>
 inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
-                          const Partial& out, int64_t h0, int count, vf* p, float* alpha) {
+                          const Partial& out, int64_t h0, int count, vf (*p)[2], float* alpha) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
-  vf scores[HG];
+  const int n0 = std::min(n, kLanes), n1 = n - n0;
+  vf scores[HG][2];
   float m[HG];
   for (int i = 0; i < count; ++i) {
     vf a[kLanes];
     key_products<T, C>(q + (h0 + i) * C, k, rows, a);
-    scores[i] = lane < n ? hsum16(a) : minus_inf;
+    scores[i][0] = lane < n0 ? hsum16(a) : minus_inf;
+    if (n1 > 0) {
+      key_products<T, C>(q + (h0 + i) * C, k, rows + kLanes, a);
+      scores[i][1] = lane < n1 ? hsum16(a) : minus_inf;
+    } else {
+      scores[i][1] = minus_inf;
+    }
   }
-  for (int i = 0; i < count; ++i) m[i] = std::max(out.max[h0 + i], hmax(scores[i]));
+  for (int i = 0; i < count; ++i) {
+    const vf both = scores[i][0] > scores[i][1] ? scores[i][0] : scores[i][1];
+    m[i] = std::max(out.max[h0 + i], hmax(both));
+  }
   for (int i = 0; i < count; ++i) {
     const int64_t h = h0 + i;
     alpha[i] = m[i] > out.max[h] ? std::exp(out.max[h] - m[i]) : 1.f;
     out.max[h] = m[i];
-    p[i] = lane < n ? exp_nonpositive(scores[i] - m[i]) : vf{};
+    p[i][0] = lane < n0 ? exp_nonpositive(scores[i][0] - m[i]) : vf{};
+    p[i][1] = lane < n1 ? exp_nonpositive(scores[i][1] - m[i]) : vf{};
   }
-  for (int i = 0; i < count; ++i) out.sum[h0 + i] = out.sum[h0 + i] * alpha[i] + hsum(p[i]);
+  for (int i = 0; i < count; ++i)
+    out.sum[h0 + i] = out.sum[h0 + i] * alpha[i] + hsum(p[i][0] + p[i][1]);
 }
 
-// Up to 16 consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
+// Up to kTile consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
 // C: head_dim / 16, a compile-time count so a head's query and output stay in registers.
 // Rows are widened where they are used, once per query head: from L1 after the first, a
@@ -80,7 +100,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
     prefetch_rows(k, v, next, n_next, head, C * kLanes * int64_t(sizeof(T)));
     for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += HG) {
       const int count = static_cast<int>(std::min<int64_t>(HG, (kv + 1) * group - h0));
-      vf p[HG];
+      vf p[HG][2];
       float alpha[HG];
       softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha);
 #ifdef __AVX512BF16__
@@ -96,7 +116,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
       for (int j = 0; j < n; ++j) {
         vf vr[C];
         load_row<T, C>(v + rows[j] + head, vr);
-        for (int c = 0; c < C; ++c) acc[c] += p[0][j] * vr[c];
+        for (int c = 0; c < C; ++c) acc[c] += p[0][j / kLanes][j % kLanes] * vr[c];
       }
       std::memcpy(acc_out, acc, sizeof acc);
     }
@@ -104,13 +124,13 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
 }
 
 // Tiles whose rows are asked for ahead of the one being computed. Without AMX (a 2-core
-// EPYC): 1.09-1.22x per layer at 8-64 decodes with two against one, 1.12-1.29x more with
-// four, and 0.85-0.96x with eight against four. AMX CPUs keep the one their kernel was
-// tuned with.
+// EPYC, tiles of 16 tokens then): 1.09-1.22x per layer at 8-64 decodes with two against
+// one, 1.12-1.29x more with four, and 0.85-0.96x with eight against four; two tiles of 32
+// keep those 64 tokens. AMX CPUs keep the one their kernel was tuned with.
 #if defined(__AMX_TILE__)
 constexpr int kAhead = 1;
 #else
-constexpr int kAhead = 4;
+constexpr int kAhead = 2;
 #endif
 
 template <typename T, int C>
@@ -122,26 +142,26 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
   std::fill(out.acc, out.acc + H * C * kLanes, 0.f);
   // Cache offsets of one tile's tokens; the tail repeats the first token (masked out).
   auto offsets = [&](int64_t start, int64_t* rows) {
-    const int n = static_cast<int>(std::min<int64_t>(kLanes, item.end - start));
+    const int n = static_cast<int>(std::min<int64_t>(kTile, item.end - start));
     for (int j = 0; j < n; ++j) {
       const int64_t t = start + j, block = table[t / bs];
       TORCH_CHECK(block >= 0 && block < s.num_blocks, "block id ", block, " outside the cache");
       rows[j] = (block * bs + t % bs) * row_len;
     }
-    for (int j = n; j < kLanes; ++j) rows[j] = rows[0];
+    for (int j = n; j < kTile; ++j) rows[j] = rows[0];
     return n;
   };
   // Rows of the tiles in flight: this one and the kAhead after it, in a ring.
-  int64_t rows[kAhead + 1][kLanes];
+  int64_t rows[kAhead + 1][kTile];
   int count[kAhead + 1] = {};
   for (int a = 0; a < kAhead; ++a) {  // the first tiles' rows; attend_tile asks for the rest
-    const int64_t start = item.begin + a * kLanes;
+    const int64_t start = item.begin + a * kTile;
     if (start >= item.end) break;
     count[a] = offsets(start, rows[a]);
     prefetch_rows(k_cache, v_cache, rows[a], count[a], 0, row_len * int64_t(sizeof(T)));
   }
-  for (int64_t start = item.begin, i = 0; start < item.end; start += kLanes) {
-    const int64_t ahead = start + kAhead * kLanes;
+  for (int64_t start = item.begin, i = 0; start < item.end; start += kTile) {
+    const int64_t ahead = start + kAhead * kTile;
     const int64_t slot = (i + kAhead) % (kAhead + 1);
     count[slot] = ahead < item.end ? offsets(ahead, rows[slot]) : 0;
     attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], count[i], out, rows[slot], count[slot]);
@@ -180,59 +200,6 @@ struct TileQuery {
   const c10::BFloat16* q = nullptr;
   float scale = 1.f;
 };
-
-// The query as the vector path reads it: q itself, in its dtype and strides (often a view
-// of the fused qkv), scaled and widened as each work item takes its row into registers, so
-// no converted copy of q is made per call.
-struct VectorQuery {
-  const void* data;
-  at::ScalarType type;
-  int64_t row, head;  // strides, in elements
-  float scale;
-};
-
-template <typename T, int C, typename Q>
-void hold_query_as(const Q* q, int64_t head_stride, int64_t H, float scale, vf* qv) {
-  for (int64_t h = 0; h < H; ++h)
-    for (int c = 0; c < C; ++c)
-      for (int l = 0; l < kLanes; ++l)
-        qv[h * C + c][l] = static_cast<float>(q[h * head_stride + dim_of<T, C>(c, l)]) * scale;
-}
-
-template <typename T, int C>
-void hold_query(const VectorQuery& q, int64_t row, int64_t H, vf* qv) {
-  const int64_t at = row * q.row;
-  switch (q.type) {
-    case at::kBFloat16:
-      return hold_query_as<T, C>(static_cast<const c10::BFloat16*>(q.data) + at, q.head, H,
-                                 q.scale, qv);
-    case at::kHalf:
-      return hold_query_as<T, C>(static_cast<const c10::Half*>(q.data) + at, q.head, H,
-                                 q.scale, qv);
-    default:
-      return hold_query_as<T, C>(static_cast<const float*>(q.data) + at, q.head, H, q.scale,
-                                 qv);
-  }
-}
-
-// Row r of the output [B, H * D] in its dtype, from fp32 (rounded as torch's .to() rounds).
-void store_row(const float* src, at::Tensor& out, int64_t r) {
-  const int64_t n = out.size(1) * out.size(2);
-  switch (out.scalar_type()) {
-    case at::kBFloat16: {
-      c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = c10::BFloat16(src[i]);
-      return;
-    }
-    case at::kHalf: {
-      c10::Half* o = out.data_ptr<c10::Half>() + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);
-      return;
-    }
-    default:
-      std::memcpy(out.data_ptr<float>() + r * n, src, n * sizeof(float));
-  }
-}
 
 template <typename T, int C>
 void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* tables,

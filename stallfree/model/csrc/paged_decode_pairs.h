@@ -55,16 +55,18 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 // outputs stay in registers across the tile.
 template <int C, int HG>
 inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
-                                  const vf* p, const float* alpha, int64_t h0, int count,
+                                  const vf (*p)[2], const float* alpha, int64_t h0, int count,
                                   float* acc_out) {
   __m512 acc[HG][C];
-  uint32_t w[HG][kLanes / 2];
+  uint32_t w[HG][kLanes];
   for (int hl = 0; hl < HG; ++hl) {
     if (hl >= count) break;
     std::memcpy(acc[hl], acc_out + (h0 + hl) * C * kLanes, sizeof acc[hl]);
     for (int c = 0; c < C; ++c) acc[hl][c] = _mm512_mul_ps(acc[hl][c], _mm512_set1_ps(alpha[hl]));
-    const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl]));
-    std::memcpy(w[hl], &rounded, sizeof w[hl]);  // word i: the weights of tokens 2i, 2i + 1
+    for (int half = 0; half < 2; ++half) {  // word i: the weights of tokens 2i, 2i + 1
+      const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p[hl][half]));
+      std::memcpy(w[hl] + half * kLanes / 2, &rounded, sizeof rounded);
+    }
   }
   for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
     __m512bh pairs[C];
