@@ -153,7 +153,7 @@ def test_engine_prefills_run_in_the_kernel_and_decode_alike(bf16_llm, monkeypatc
     """The default model in bf16: prompts prefilled in the kernel (chunked and whole) give
     the same greedy tokens as the reference path, and their first token's logits agree."""
     from stallfree import SamplingParams
-    from stallfree.model import attention
+    from stallfree.model import attention, layer_loop
 
     calls = []
     real = attention.prefill_kernel.paged_prefill
@@ -161,8 +161,12 @@ def test_engine_prefills_run_in_the_kernel_and_decode_alike(bf16_llm, monkeypatc
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = ["The capital of France is", "def fibonacci(n):\n    " * 20]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    fast = [o.token_ids for o in bf16_llm.generate(prompts, params)]
+    # The Python layers call the wrapper counted here; the C++ layer loop calls the same op
+    # behind it (test_layer_loop.py holds the two paths to the same bits).
+    with layer_loop.SWITCH.within(False):
+        fast = [o.token_ids for o in bf16_llm.generate(prompts, params)]
     assert calls, "the engine's prefills did not run in the kernel"
+    assert [o.token_ids for o in bf16_llm.generate(prompts, params)] == fast
     with paged_prefill.kernel_enabled(False):
         reference = [o.token_ids for o in bf16_llm.generate(prompts, params)]
     assert fast == reference
