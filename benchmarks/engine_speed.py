@@ -2,7 +2,8 @@
 
 Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
 The engine's figures are medians of repeated measurements taken in this one run, the
-floors beside them the best of repeated calls.
+floors beside them the best of repeated calls; each decode row is the median of rounds
+that measure their floors again just before their steps, the ratio per round.
 --kernel-ab NAME [--dtype D]: only the decode steps, with one CPU kernel and with its torch
 path in alternation (rounds interleaved), side by side. NAME: paged_decode (decode
 attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RMSNorm, and
@@ -34,6 +35,7 @@ SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
 # Switches read when the weights are packed, at load: the model is repacked at each switch.
 REPACK = {"amx_linear", "packed_linear"}
 PREFILL = {"paged_prefill"}  # compared on prefill chunks
+DECODE_ROUNDS = 3
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -48,20 +50,21 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def memory_floor_gbps(device: torch.device) -> float:
+def memory_floor_gbps(device: torch.device, repeats: int = 9) -> float:
     """Read bandwidth: the faster of two reads of a 268 MB fp32 matrix, a matrix-vector
     product and a sum. Each streams the matrix once; which one the CPU's library reads
     faster differs by machine (17 against 39 GB/s on a 2-core EPYC, docs/benchmarks.md)."""
     mat = torch.randn(8192, 8192, device=device)
     vec = torch.randn(8192, device=device)
-    seconds = min(_best_time(lambda: torch.mv(mat, vec), 9), _best_time(mat.sum, 9))
+    seconds = min(_best_time(lambda: torch.mv(mat, vec), repeats),
+                  _best_time(mat.sum, repeats))
     return mat.numel() * 4 / seconds / 1e9
 
 
-def matmul_floor_gflops(device: torch.device, dtype: torch.dtype) -> float:
+def matmul_floor_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 15) -> float:
     a = torch.randn(2048, 2048, device=device, dtype=dtype)
     b = torch.randn(2048, 2048, device=device, dtype=dtype)
-    seconds = _best_time(lambda: a @ b, 15)
+    seconds = _best_time(lambda: a @ b, repeats)
     return 2 * 2048**3 / seconds / 1e9
 
 
@@ -172,16 +175,28 @@ def main() -> None:
     matmul_params = params_non_embedding + (0 if engine.executor.model.lm_head is not None
                                             else engine.model_config.vocab_size
                                             * engine.model_config.hidden_size)
-    print("\ndecode step, 512-token contexts (floor: the larger of memory and compute)")
+    # Each round measures the floors again just before its steps, and its ratio is taken
+    # against them: on a shared machine the read rate swings (41 against 62 GB/s between two
+    # runs minutes apart on a 2-core EPYC), and a step must be judged against what the
+    # memory gave at that time. The table shows the medians over the rounds.
+    print(f"\ndecode step, 512-token contexts (floor: the larger of memory and compute; "
+          f"medians of {DECODE_ROUNDS} rounds, each with its own floors)")
     print("| batch | ms/step | tokens/s | memory floor ms | compute floor ms | x floor |\n"
           "|---|---|---|---|---|---|")
     for batch in ([1, 8] if args.quick else [1, 8, 32, 64]):
-        seconds = decode_step_seconds(llm, batch, 512, steps=16)
-        memory_ms = (weight_bytes + batch * 512 * kv_bytes) / (bandwidth * 1e9) * 1e3
-        compute_ms = 2 * matmul_params * batch / (matmul * 1e9) * 1e3
-        floor = max(memory_ms, compute_ms)
-        print(f"| {batch} | {seconds * 1000:.1f} | {batch / seconds:.0f} | {memory_ms:.1f} | "
-              f"{compute_ms:.1f} | {seconds * 1000 / floor:.2f} |")
+        rounds = []
+        for _ in range(DECODE_ROUNDS):
+            read_gbps = memory_floor_gbps(device, repeats=3)
+            gflops = matmul_floor_gflops(device, dtype, repeats=5)
+            seconds = decode_step_seconds(llm, batch, 512, steps=16)
+            memory_ms = (weight_bytes + batch * 512 * kv_bytes) / (read_gbps * 1e9) * 1e3
+            compute_ms = 2 * matmul_params * batch / (gflops * 1e9) * 1e3
+            rounds.append((seconds * 1e3, memory_ms, compute_ms,
+                           seconds * 1e3 / max(memory_ms, compute_ms)))
+        ms, memory_ms, compute_ms, ratio = (statistics.median(r[i] for r in rounds)
+                                            for i in range(4))
+        print(f"| {batch} | {ms:.1f} | {batch / ms * 1e3:.0f} | {memory_ms:.1f} | "
+              f"{compute_ms:.1f} | {ratio:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()
