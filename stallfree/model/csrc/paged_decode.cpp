@@ -1,13 +1,13 @@
 // Decode attention that reads the paged KV cache in place (CPU).
 //
-// One query token per request against its context, read 32 tokens at a time straight from
-// the cache [2, num_blocks, block_size, Hkv, D] through the request's block table: no
-// gather into a dense buffer, no padding to the longest context. Online softmax in fp32;
-// bfloat16 and float16 rows are widened to fp32 in registers where they are used, the
-// query heads of a GQA group reading the same rows from L1; on CPUs with AVX512_BF16, bf16
-// rows are multiplied as stored, in bf16-pair dot products (paged_decode_pairs.h). The
-// rows of tiles ahead are asked for while the current one computes, since blocks lie
-// anywhere in the cache.
+// One query token per request against its context, read 32 tokens at a time (16 in the AMX
+// tiles of paged_decode_amx.h) straight from the cache [2, num_blocks, block_size, Hkv, D]
+// through the request's block table: no gather into a dense buffer, no padding to the
+// longest context. Online softmax in fp32; bfloat16 and float16 rows are widened to fp32 in
+// registers where they are used, the query heads of a GQA group reading the same rows from
+// L1; on CPUs with AVX512_BF16, bf16 rows are multiplied as stored, in bf16-pair dot
+// products (paged_decode_pairs.h). The rows of tiles ahead are asked for while the current
+// one computes, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
 // item with its own softmax state; items are dealt out to the threads by token count, so
@@ -45,7 +45,8 @@ constexpr int kTile = 2 * kLanes;
 // 16-31) and alpha[i] the factor by which what it accumulated so far shrinks (1 unless its
 // max rose). The heads go through each stage together: their reductions are short
 // dependent chains (a max across lanes, an exp, a sum), and side by side they overlap where
-// one head at a time waits on each (1.55x on L2-resident KV against one head at a time).
+// one head at a time waits on each (1.55x on L2-resident KV against one head at a time, in
+// the bf16-pairs path; caches of other dtypes take one head per pass).
 
 template <typename T, int C, int HG>
 inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
@@ -109,16 +110,18 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
         continue;
       }
 #endif
-      float* acc_out = out.acc + h0 * C * kLanes;
-      vf acc[C];
-      std::memcpy(acc, acc_out, sizeof acc);
-      for (int c = 0; c < C; ++c) acc[c] *= alpha[0];
-      for (int j = 0; j < n; ++j) {
-        vf vr[C];
-        load_row<T, C>(v + rows[j] + head, vr);
-        for (int c = 0; c < C; ++c) acc[c] += p[0][j / kLanes][j % kLanes] * vr[c];
+      for (int hl = 0; hl < count; ++hl) {  // every head of the pass (a bf16 cache built
+        float* acc_out = out.acc + (h0 + hl) * C * kLanes;  // without AVX512_BF16 has 3)
+        vf acc[C];
+        std::memcpy(acc, acc_out, sizeof acc);
+        for (int c = 0; c < C; ++c) acc[c] *= alpha[hl];
+        for (int j = 0; j < n; ++j) {
+          vf vr[C];
+          load_row<T, C>(v + rows[j] + head, vr);
+          for (int c = 0; c < C; ++c) acc[c] += p[hl][j / kLanes][j % kLanes] * vr[c];
+        }
+        std::memcpy(acc_out, acc, sizeof acc);
       }
-      std::memcpy(acc_out, acc, sizeof acc);
     }
   }
 }
@@ -126,7 +129,8 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
 // Tiles whose rows are asked for ahead of the one being computed. Without AMX (a 2-core
 // EPYC, tiles of 16 tokens then): 1.09-1.22x per layer at 8-64 decodes with two against
 // one, 1.12-1.29x more with four, and 0.85-0.96x with eight against four; two tiles of 32
-// keep those 64 tokens. AMX CPUs keep the one their kernel was tuned with.
+// keep those 64 tokens. AMX builds keep one (tuned at 16 tokens; their bf16 caches take the
+// tile path, which has its own loop).
 #if defined(__AMX_TILE__)
 constexpr int kAhead = 1;
 #else

@@ -48,7 +48,7 @@ void hold_query(const VectorQuery& q, int64_t row, int64_t H, vf* qv) {
   }
 }
 
-// Row r of the output [B, H * D] in its dtype, from fp32 (rounded as torch's .to() rounds).
+// Row r of the output [B, H, D] in its dtype, from fp32 (rounded as torch's .to() rounds).
 void store_row(const float* src, at::Tensor& out, int64_t r) {
   const int64_t n = out.size(1) * out.size(2);
   switch (out.scalar_type()) {
