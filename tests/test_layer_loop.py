@@ -26,7 +26,7 @@ from stallfree.model.parallel import Shard
 MISSING = pair_kernel_unavailable_reason()
 needs_loop = pytest.mark.skipif(MISSING is not None,
                                 reason=f"the layer loop needs the packed bf16 kernel: {MISSING}")
-BLOCK_SIZE, NUM_BLOCKS = 16, 160
+BLOCK_SIZE, NUM_BLOCKS = 16, 300  # more than the largest drawn batch's 274 blocks
 # Head size 64 (RoPE's kernel takes multiples of 32), GQA groups of 2, three layers.
 SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -127,21 +127,32 @@ def test_layers_it_cannot_run_say_why(model_dir):
         assert LayerLoop.build([layer], Shard())[1] == "qkv_proj has a bias"
 
 
-@needs_loop
-def test_batches_a_kernel_does_not_take_run_the_python_layers(model_dir):
-    """A float32 batch, the loop's switch off, a matmul switch off: `fits` says no."""
-    from stallfree.model import linear
-
-    model, config = _load(model_dir)
-    seqs = _batch([], [30], 0)
+def _prepared(config, seqs):
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace())
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, "cpu")
     meta.prepare(kv[0])
-    x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
+    return meta, kv
+
+
+@needs_loop
+def test_batches_a_kernel_does_not_take_run_the_python_layers(model_dir):
+    """A float32 batch, a cache of other layers, any of the kernels' switches off: `fits`
+    says no, as the Python path would then take a torch path somewhere in the layer."""
+    from stallfree.model import layers, linear, paged_decode, paged_prefill
+
+    model, config = _load(model_dir)
     loop = model.layer_loop
+    meta, kv = _prepared(config, _batch([], [30], 0))
+    x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
     assert loop.fits(x, meta, kv)
     assert not loop.fits(x.float(), meta, kv)
-    with layer_loop.SWITCH.within(False):
+    assert not loop.fits(x, meta, kv[1:])
+    for switch in (layer_loop.SWITCH, linear.AMX, layers.FUSED, paged_decode.SWITCH):
+        with switch.within(False):
+            assert not loop.fits(x, meta, kv), switch.env_var
+    x = torch.zeros(41, config.hidden_size, dtype=torch.bfloat16)  # a chunk and a decode
+    with paged_prefill.SWITCH.within(False):
+        meta, kv = _prepared(config, _batch([(0, 40)], [30], 0))
         assert not loop.fits(x, meta, kv)
-    with linear.AMX.within(False):
-        assert not loop.fits(x, meta, kv)
+    meta, kv = _prepared(config, _batch([(0, 40)], [30], 0))
+    assert loop.fits(x, meta, kv)

@@ -101,14 +101,19 @@ def test_property_the_argmax_kernel_equals_torch(rows, width, seed, levels, spec
     assert torch.equal(got, x.argmax(dim=-1))
 
 
-def test_the_sampler_leaves_the_callers_logits_raw():
-    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("params,outputs", [
+    (SamplingParams(temperature=0), []),                          # nothing edits: no copy
+    (SamplingParams(temperature=0, min_tokens=5), []),            # eos held off
+    (SamplingParams(temperature=0, repetition_penalty=1.5), []),  # the prompt's tokens
+    (SamplingParams(temperature=0.7, seed=1, frequency_penalty=1.0), [4]),
+])
+def test_the_sampler_leaves_the_callers_logits_raw(params, outputs):
+    """Each reason to edit a row alone: the rows are edited in a copy, never in the logits
+    the caller keeps for log-probabilities."""
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3))
+    logits[:, 0] = 9.0  # eos (token 0) the best, so min_tokens has something to hold off
     raw = logits.clone()
-    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0,
-                                                                     min_tokens=5)),
-            _req(SamplingParams(temperature=0.7, seed=1, frequency_penalty=1.0), outputs=[4])]
-    Sampler()(logits, reqs)
-    Sampler()(logits, reqs[:1])  # greedy alone: no copy, and no write either
+    Sampler()(logits, [_req(params, outputs=outputs), _req(SamplingParams(temperature=0))])
     assert torch.equal(logits, raw)
 
 

@@ -83,6 +83,7 @@ class Sampler:
                 uniform[row] = torch.rand(1, dtype=torch.float64, device=device, generator=gen)
         return sample_inverse_cdf(probs, uniform)
 
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) for [rows, vocab] logits, in the CPU kernel where it runs."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2

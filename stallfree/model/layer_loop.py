@@ -24,6 +24,7 @@ from .kernels import KernelSwitch
 from .parallel import Shard
 
 SWITCH = KernelSwitch("STALLFREE_LAYER_LOOP")
+WEIGHTS_PER_LAYER = 6  # csrc/layer_loop.cpp's kWeightsPerLayer
 
 
 def _linears(layer: nn.Module) -> dict[str, linear.Linear]:
@@ -42,12 +43,13 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
            for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(eps) > 1:
         return "the layers' norms differ in eps"
-    for name, module in _linears(layers[0]).items():
-        want = "amx_gated" if name == "gate_up_proj" else "amx"
-        if module.bias is not None:
-            return f"{name} has a bias"
-        if module.packed is None or module.packed.layout != want:
-            return f"{name} is not packed for the tile kernel (linear.pack_weight)"
+    for layer in layers:
+        for name, module in _linears(layer).items():
+            want = "amx_gated" if name == "gate_up_proj" else "amx"
+            if module.bias is not None:
+                return f"{name} has a bias"
+            if module.packed is None or module.packed.layout != want:
+                return f"{name} is not packed for the tile kernel (linear.pack_weight)"
     return None
 
 
@@ -81,11 +83,10 @@ class LayerLoop:
     def fits(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether this batch takes the C++ loop: each call there is the kernel the Python
         path would choose for it (after `meta.prepare`)."""
-        if not (SWITCH.usable() and linear.AMX.enabled and fused.FUSED.usable()
-                and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.is_contiguous() and x.shape[0] <= linear.pair_kernel_max_rows()
-                and kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
-                and kv_cache.shape[-1] % 32 == 0):
+        if not (SWITCH.usable() and fused.FUSED.usable() and x.device.type == "cpu"
+                and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
+                and linear.runs_packed(x.shape[0]) and fused.cache_fits_rope(kv_cache, x.dtype)
+                and kv_cache.shape[0] * WEIGHTS_PER_LAYER == len(self.weights)):
             return False
         decodes = x.shape[0] > meta.num_prefill_tokens
         if decodes and not paged_decode.usable(kv_cache[0]):

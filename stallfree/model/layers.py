@@ -22,6 +22,12 @@ def _fused(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16) and FUSED.usable())
 
 
+def cache_fits_rope(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether rope_and_cache's kernel can write a qkv of `dtype` into this cache."""
+    return (kv_cache.dtype == dtype and kv_cache.is_contiguous()
+            and kv_cache.shape[-1] % 32 == 0)
+
+
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int,
                    kv_heads: int) -> bool:
@@ -30,8 +36,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     for what apply_rope and two index_copy_ do in six ops); False, with nothing done,
     where it does not apply: the caller then takes the torch path."""
     t = qkv.shape[0]
-    if not (_fused(qkv) and kv_cache.dtype == qkv.dtype and kv_cache.is_contiguous()
-            and kv_cache.shape[-1] % 32 == 0 and cos.dtype == qkv.dtype):
+    if not (_fused(qkv) and cache_fits_rope(kv_cache, qkv.dtype) and cos.dtype == qkv.dtype):
         return False
     torch.ops.stallfree.rope_cache(qkv, cos.reshape(t, -1), signed_sin.reshape(t, -1),
                                    kv_cache, slot_mapping, heads, kv_heads)

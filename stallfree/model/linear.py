@@ -75,6 +75,12 @@ def pair_kernel_max_rows() -> int:
     return AMX_MAX_ROWS if amx_unavailable_reason() is None else sys.maxsize
 
 
+def runs_packed(rows: int) -> bool:
+    """Whether a matmul of `rows` rows runs in the tile packing's kernel (its weight packed
+    for it): the switch on and the row count within pair_kernel_max_rows."""
+    return rows <= pair_kernel_max_rows() and AMX.enabled
+
+
 def amx_available() -> bool:
     """Whether weights are packed for that kernel (its switch on, and it can run)."""
     return AMX.usable() and pair_kernel_unavailable_reason() is None
@@ -119,8 +125,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias) for x [T, in], in a kernel or from `packed` (the
     `pack_weight` of `weight`) where either pays."""
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
-    if (packed_fits and packed.layout == "amx" and x.shape[0] <= pair_kernel_max_rows()
-            and AMX.enabled):
+    if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0]):
         out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
     elif runs_in_kernel(x, weight):
         out = torch.ops.stallfree.skinny_linear(x, weight)
@@ -143,8 +148,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
     """Whether `gated_linear` runs x of `rows` rows in the AMX kernel's fused form."""
-    return (packed is not None and packed.layout == "amx_gated" and rows <= pair_kernel_max_rows()
-            and AMX.enabled)
+    return packed is not None and packed.layout == "amx_gated" and runs_packed(rows)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor,

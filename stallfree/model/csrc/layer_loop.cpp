@@ -24,29 +24,28 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+using NormSig = Tensor(const Tensor&, const Tensor&, double);
+using AddNormSig = Tensor(const Tensor&, Tensor&, const Tensor&, double);
+using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, bool);
+using RopeSig = void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&, int64_t,
+                     int64_t);
+using PrefillSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                          const Tensor&, double, bool);
+using DecodeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                         int64_t, bool);
+
 // The kernels, found once: through the dispatcher, as Python calls them (~0.2 us a call),
 // so each stays in its own file behind its registered schema.
 struct Kernels {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
-      find<Tensor(const Tensor&, const Tensor&, double)>("stallfree::rms_norm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, Tensor&, const Tensor&, double)> add_rms_norm =
-      find<Tensor(const Tensor&, Tensor&, const Tensor&, double)>("stallfree::add_rms_norm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, bool)> linear =
-      find<Tensor(const Tensor&, const Tensor&, int64_t, bool)>("stallfree::amx_linear");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, bool)> gated =
-      find<Tensor(const Tensor&, const Tensor&, int64_t, bool)>("stallfree::amx_linear_silu_mul");
-  c10::TypedOperatorHandle<void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&,
-                                int64_t, int64_t)>
-      rope_cache = find<void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&,
-                             int64_t, int64_t)>("stallfree::rope_cache");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double, bool)>
-      paged_prefill = find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double, bool)>("stallfree::paged_prefill");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  double, int64_t, bool)>
-      paged_decode = find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 double, int64_t, bool)>("stallfree::paged_decode");
+  c10::TypedOperatorHandle<NormSig> rms_norm = find<NormSig>("stallfree::rms_norm");
+  c10::TypedOperatorHandle<AddNormSig> add_rms_norm =
+      find<AddNormSig>("stallfree::add_rms_norm");
+  c10::TypedOperatorHandle<LinearSig> linear = find<LinearSig>("stallfree::amx_linear");
+  c10::TypedOperatorHandle<LinearSig> gated = find<LinearSig>("stallfree::amx_linear_silu_mul");
+  c10::TypedOperatorHandle<RopeSig> rope_cache = find<RopeSig>("stallfree::rope_cache");
+  c10::TypedOperatorHandle<PrefillSig> paged_prefill =
+      find<PrefillSig>("stallfree::paged_prefill");
+  c10::TypedOperatorHandle<DecodeSig> paged_decode = find<DecodeSig>("stallfree::paged_decode");
 };
 
 const Kernels& kernels() {
@@ -82,7 +81,9 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
 }
 
 // x [T, hidden] bf16 through every layer; returns (the last layer's MLP output, the residual
-// stream before it), as LlamaDecoderLayer.forward does, for the final norm to add.
+// stream before it), as LlamaDecoderLayer.forward does, for the final norm to add. As there,
+// x itself is the first layer's residual stream: the second layer's norm adds into it, and
+// the residual returned is x's storage.
 std::tuple<Tensor, Tensor> decoder_layers(
     Tensor x, at::TensorList weights, const Tensor& kv_cache, const Tensor& cos,
     const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
@@ -126,7 +127,7 @@ std::tuple<Tensor, Tensor> decoder_layers(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
-  m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
+  m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor decode_tables, Tensor decode_lens, "
         "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int gate_up_features, "
         "float eps, float scale, bool attention_tiles) -> (Tensor, Tensor)");
