@@ -114,8 +114,13 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        # Non-persistent: derived from the config, never stored in checkpoints.
-        self.register_buffer("cos_sin", self._table(), persistent=False)
+        # Non-persistent: derived from the config, never stored in checkpoints. Built on the
+        # meta device (the loader's), it is only shaped here and computed by reset_table
+        # once the model has storage: the first arithmetic on meta tensors costs ~0.5-1 s of
+        # start-up in torch's lazy imports.
+        table = (torch.empty(2, max_positions, head_dim) if torch.empty(0).is_meta
+                 else self._table())
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def _table(self, device: torch.device | None = None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
