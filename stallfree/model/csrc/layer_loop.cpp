@@ -76,7 +76,9 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
                                          a.prefill[1], a.prefill[2], a.scale, a.tiles));
   if (decodes > 0)
     parts.push_back(k.paged_decode.call(q.narrow(0, a.prefill_rows, decodes), cache,
-                                        a.decode_tables, a.decode_lens, a.scale, -1, a.tiles));
+                                        a.decode_tables, a.decode_lens, a.scale,
+                                        /*split: automatic, paged_decode.AUTO_SPLIT*/ -1,
+                                        a.tiles));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
