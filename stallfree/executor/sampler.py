@@ -37,10 +37,11 @@ class Sampler:
         """`bitmask` (structured outputs): row `bitmask_rows[id]` holds the tokens request
         `id` may take next; requests without a row are not constrained."""
         bitmask_rows = bitmask_rows or {}
-        # A copy only for rows to be edited in place: the caller's logits stay the raw ones.
-        edits = bool(bitmask_rows) or any(_edits_logits(r) for r in requests)
-        logits = logits.float().clone() if edits else logits.float()
-        for row, req in enumerate(requests):
+        # Rows edited in place, in a copy: the caller's logits stay the raw ones.
+        edited = [row for row, req in enumerate(requests) if _edits_logits(req)]
+        logits = logits.float().clone() if edited or bitmask_rows else logits.float()
+        for row in edited:
+            req = requests[row]
             _apply_penalties(logits[row], req)
             # A grammar decides when its output may end: min_tokens would fight it.
             if req.request_id not in bitmask_rows:
