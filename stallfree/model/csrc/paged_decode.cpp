@@ -88,8 +88,10 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
 // Rows are widened where they are used, once per query head: from L1 after the first, a
 // shift and a mask per vector cost less than a round trip through a buffer (with
 // AVX512_BF16, bf16 rows are multiplied as stored, and a GQA group's heads weigh each pair
-// of V rows together). The rows of a tile ahead (`next`) are asked for one KV head at a
-// time, between the work, so the requests do not queue up behind each other.
+// of V rows together). A tile ahead's rows (`next`) are asked for one KV head at a time,
+// a token or two per step of the weighted-values loop: asked all at once, a head's 128
+// lines queued up and the tile's own loads waited behind them (1.2-1.3x per layer at 32
+// decodes of 521 tokens with the cache in DRAM, 2-core EPYC, docs/benchmarks.md).
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {
@@ -98,15 +100,16 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
   constexpr int HG = kSplit<T, C> ? (C >= 12 ? 1 : 12 / C) : 1;
   for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
     const int64_t head = kv * C * kLanes;
-    prefetch_rows(k, v, next, n_next, head, C * kLanes * int64_t(sizeof(T)));
     for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += HG) {
       const int count = static_cast<int>(std::min<int64_t>(HG, (kv + 1) * group - h0));
+      const TileAhead<T, C * kLanes> ahead{k + head, v + head, next,
+                                           h0 == kv * group ? n_next : 0};  // first pass asks
       vf p[HG][2];
       float alpha[HG];
       softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha);
 #ifdef __AVX512BF16__
       if constexpr (kSplit<T, C>) {
-        weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc);
+        weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc, ahead);
         continue;
       }
 #endif
@@ -116,6 +119,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
         std::memcpy(acc, acc_out, sizeof acc);
         for (int c = 0; c < C; ++c) acc[c] *= alpha[hl];
         for (int j = 0; j < n; ++j) {
+          if (hl == 0) ahead.ask(j);
           vf vr[C];
           load_row<T, C>(v + rows[j] + head, vr);
           for (int c = 0; c < C; ++c) acc[c] += p[hl][j / kLanes][j % kLanes] * vr[c];
@@ -126,16 +130,11 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
   }
 }
 
-// Tiles whose rows are asked for ahead of the one being computed. Without AMX (a 2-core
-// EPYC, tiles of 16 tokens then): 1.09-1.22x per layer at 8-64 decodes with two against
-// one, 1.12-1.29x more with four, and 0.85-0.96x with eight against four; two tiles of 32
-// keep those 64 tokens. AMX builds keep one (tuned at 16 tokens; their bf16 caches take the
-// tile path, which has its own loop).
-#if defined(__AMX_TILE__)
+// Tiles whose rows are asked for ahead of the one being computed. Once the asking was
+// spread over the tile (attend_tile), one ahead measured as well as two, or better, at 1-64
+// decodes (2-core EPYC, docs/benchmarks.md); two had been 1.09-1.22x faster at 8-64 while
+// a head's rows were asked all at once.
 constexpr int kAhead = 1;
-#else
-constexpr int kAhead = 2;
-#endif
 
 template <typename T, int C>
 void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,

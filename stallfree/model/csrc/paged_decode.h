@@ -57,25 +57,43 @@ inline void load_row(const T* p, vf* out) {
   }
 }
 
-// Asks for bytes [offset, offset + bytes) of n tokens' K and V rows (cache offsets `rows`):
-// into L2 on CPUs without AMX, where that let more of a tile's lines be on their way at once
-// (1.04-1.31x per layer on a 2-core EPYC, docs/benchmarks.md); into L1 where the kernel was
-// tuned on AMX CPUs.
+// Where the rows asked for ahead go: into L2 on CPUs without AMX, where that let more of a
+// tile's lines be on their way at once (1.04-1.31x per layer on a 2-core EPYC,
+// docs/benchmarks.md); into L1 where the kernel was tuned on AMX CPUs.
 #if defined(__AMX_TILE__)
 constexpr int kPrefetchLocality = 3;
 #else
 constexpr int kPrefetchLocality = 2;
 #endif
 
+// Asks for `bytes` bytes of one token's K and V rows from cache offset `at`.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* k, const T* v, int64_t at,
+                                                        int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k + at) + b, 0, kPrefetchLocality);
+    __builtin_prefetch(reinterpret_cast<const char*>(v + at) + b, 0, kPrefetchLocality);
+  }
+}
+
+// The rows of a tile ahead, asked for a token at a time: ask(j) for its token j, if it has
+// one; D dims of one KV head (a compile-time count, so the asking unrolls).
+template <typename T, int D>
+struct TileAhead {
+  const T* k;  // the cache at the KV head's first dim
+  const T* v;
+  const int64_t* rows;
+  int n;
+  __attribute__((always_inline)) void ask(int j) const {
+    if (j < n) prefetch_row(k, v, rows[j], D * int64_t(sizeof(T)));
+  }
+};
+
+// The same for n tokens (cache offsets `rows`), from byte `offset` of each row.
 template <typename T>
 inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
                           int64_t bytes) {
-  for (int j = 0; j < n; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) {
-      const int64_t at = rows[j] + offset;
-      __builtin_prefetch(reinterpret_cast<const char*>(k + at) + b, 0, kPrefetchLocality);
-      __builtin_prefetch(reinterpret_cast<const char*>(v + at) + b, 0, kPrefetchLocality);
-    }
+  for (int j = 0; j < n; ++j) prefetch_row(k, v, rows[j] + offset, bytes);
 }
 
 }  // namespace

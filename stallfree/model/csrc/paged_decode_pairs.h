@@ -52,11 +52,12 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 // bf16-pair dot products, added to their outputs so far scaled by alpha: the weights
 // rounded to bf16 as torch's flash attention rounds them, two tokens' V rows interleaved
 // once (a shift, a mask and an or per vector) and used by every head of the pass, whose
-// outputs stay in registers across the tile.
+// outputs stay in registers across the tile. `ahead` is asked for token j of its tile as
+// the loop reaches token j of this one.
 template <int C, int HG>
 inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
                                   const vf (*p)[2], const float* alpha, int64_t h0, int count,
-                                  float* acc_out) {
+                                  float* acc_out, const TileAhead<c10::BFloat16, C * kLanes>& ahead) {
   __m512 acc[HG][C];
   uint32_t w[HG][kLanes];
   for (int hl = 0; hl < HG; ++hl) {
@@ -69,6 +70,8 @@ inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, i
     }
   }
   for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
+    ahead.ask(j);
+    ahead.ask(j + 1);
     __m512bh pairs[C];
     for (int c = 0; c < C; c += 2) {
       vu r0, r1;
