@@ -50,7 +50,8 @@ constexpr int kTile = 2 * kLanes;
 
 template <typename T, int C, int HG>
 inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
-                          const Partial& out, int64_t h0, int count, vf (*p)[2], float* alpha) {
+                          const Partial& out, int64_t h0, int count, vf (*p)[2], float* alpha,
+                          const TileAhead<T, C * kLanes>& ahead) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
   const int n0 = std::min(n, kLanes), n1 = n - n0;
@@ -58,10 +59,11 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
   float m[HG];
   for (int i = 0; i < count; ++i) {
     vf a[kLanes];
-    key_products<T, C>(q + (h0 + i) * C, k, rows, a);
+    key_products<T, C>(q + (h0 + i) * C, k, rows, a, i == 0 ? &ahead : nullptr, 0);
     scores[i][0] = lane < n0 ? hsum16(a) : minus_inf;
     if (n1 > 0) {
-      key_products<T, C>(q + (h0 + i) * C, k, rows + kLanes, a);
+      key_products<T, C>(q + (h0 + i) * C, k, rows + kLanes, a, i == 0 ? &ahead : nullptr,
+                         kLanes);
       scores[i][1] = lane < n1 ? hsum16(a) : minus_inf;
     } else {
       scores[i][1] = minus_inf;
@@ -88,10 +90,11 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
 // Rows are widened where they are used, once per query head: from L1 after the first, a
 // shift and a mask per vector cost less than a round trip through a buffer (with
 // AVX512_BF16, bf16 rows are multiplied as stored, and a GQA group's heads weigh each pair
-// of V rows together). A tile ahead's rows (`next`) are asked for one KV head at a time,
-// a token or two per step of the weighted-values loop: asked all at once, a head's 128
-// lines queued up and the tile's own loads waited behind them (1.2-1.3x per layer at 32
-// decodes of 521 tokens with the cache in DRAM, 2-core EPYC, docs/benchmarks.md).
+// of V rows together). A tile ahead's rows (`next`) are asked for one KV head at a time and
+// a token at a time: its K rows as the scores reach the same token of this tile, its V rows
+// as the weighted values do. Asked all at once, a head's 128 lines queued up and the tile's
+// own loads waited behind them (1.2-1.4x per layer at 8-64 decodes of 521 tokens with the
+// cache in DRAM, 2-core EPYC, docs/benchmarks.md).
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {
@@ -106,7 +109,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
                                            h0 == kv * group ? n_next : 0};  // first pass asks
       vf p[HG][2];
       float alpha[HG];
-      softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha);
+      softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha, ahead);
 #ifdef __AVX512BF16__
       if constexpr (kSplit<T, C>) {
         weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc, ahead);
@@ -119,7 +122,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
         std::memcpy(acc, acc_out, sizeof acc);
         for (int c = 0; c < C; ++c) acc[c] *= alpha[hl];
         for (int j = 0; j < n; ++j) {
-          if (hl == 0) ahead.ask(j);
+          if (hl == 0) ahead.ask_v(j);
           vf vr[C];
           load_row<T, C>(v + rows[j] + head, vr);
           for (int c = 0; c < C; ++c) acc[c] += p[hl][j / kLanes][j % kLanes] * vr[c];

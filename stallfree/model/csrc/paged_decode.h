@@ -66,34 +66,37 @@ constexpr int kPrefetchLocality = 3;
 constexpr int kPrefetchLocality = 2;
 #endif
 
-// Asks for `bytes` bytes of one token's K and V rows from cache offset `at`.
+// Asks for `bytes` bytes from p on.
 template <typename T>
-__attribute__((always_inline)) inline void prefetch_row(const T* k, const T* v, int64_t at,
-                                                        int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(k + at) + b, 0, kPrefetchLocality);
-    __builtin_prefetch(reinterpret_cast<const char*>(v + at) + b, 0, kPrefetchLocality);
-  }
+__attribute__((always_inline)) inline void prefetch_bytes(const T* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kPrefetchLocality);
 }
 
-// The rows of a tile ahead, asked for a token at a time: ask(j) for its token j, if it has
-// one; D dims of one KV head (a compile-time count, so the asking unrolls).
+// The rows of a tile ahead, asked for a token at a time: its token j's K bytes or V bytes, if
+// it has a token j; D dims of one KV head (a compile-time count, so the asking unrolls).
 template <typename T, int D>
 struct TileAhead {
   const T* k;  // the cache at the KV head's first dim
   const T* v;
   const int64_t* rows;
   int n;
-  __attribute__((always_inline)) void ask(int j) const {
-    if (j < n) prefetch_row(k, v, rows[j], D * int64_t(sizeof(T)));
+  __attribute__((always_inline)) void ask_k(int j) const {
+    if (j < n) prefetch_bytes(k + rows[j], D * int64_t(sizeof(T)));
+  }
+  __attribute__((always_inline)) void ask_v(int j) const {
+    if (j < n) prefetch_bytes(v + rows[j], D * int64_t(sizeof(T)));
   }
 };
 
-// The same for n tokens (cache offsets `rows`), from byte `offset` of each row.
+// Bytes [offset, offset + bytes) of n tokens' K and V rows (cache offsets `rows`), at once.
 template <typename T>
 inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
                           int64_t bytes) {
-  for (int j = 0; j < n; ++j) prefetch_row(k, v, rows[j] + offset, bytes);
+  for (int j = 0; j < n; ++j) {
+    prefetch_bytes(k + rows[j] + offset, bytes);
+    prefetch_bytes(v + rows[j] + offset, bytes);
+  }
 }
 
 }  // namespace

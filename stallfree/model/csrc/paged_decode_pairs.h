@@ -19,9 +19,11 @@ namespace {
 
 // a[j]: the lane products of query head qh with key row j (their sum is the score). With
 // AVX512_BF16, a bf16 row is multiplied as it is stored, pairs of dims at a time: two
-// instructions per row at 64 dims, where widening it first takes eight.
+// instructions per row at 64 dims, where widening it first takes eight. `ahead`, where not
+// null, is asked for the K rows of its tokens first + j as row j is reached.
 template <typename T, int C>
-inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
+inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a,
+                         const TileAhead<T, C * kLanes>* ahead, int first) {
 #ifdef __AVX512BF16__
   if constexpr (kSplit<T, C>) {
     __m512bh qb[C / 2];  // the query's pairs, as stored: the even dim low, the odd dim high
@@ -30,6 +32,7 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
                              (reinterpret_cast<vu>(round_bf16(qh[c + 1])) & 0xffff0000u));
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
+      if (ahead != nullptr) ahead->ask_k(first + j);
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < C / 2; ++c)
         sum = _mm512_dpbf16_ps(sum, qb[c], (__m512bh)_mm512_loadu_si512(k + rows[j] + c * 32));
@@ -40,6 +43,7 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 #endif
 #pragma GCC unroll 16
   for (int j = 0; j < kLanes; ++j) {
+    if (ahead != nullptr) ahead->ask_k(first + j);
     vf kr[C];
     load_row<T, C>(k + rows[j], kr);
     a[j] = qh[0] * kr[0];
@@ -52,12 +56,13 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a) {
 // bf16-pair dot products, added to their outputs so far scaled by alpha: the weights
 // rounded to bf16 as torch's flash attention rounds them, two tokens' V rows interleaved
 // once (a shift, a mask and an or per vector) and used by every head of the pass, whose
-// outputs stay in registers across the tile. `ahead` is asked for token j of its tile as
-// the loop reaches token j of this one.
+// outputs stay in registers across the tile. `ahead` is asked for the V rows of its token j
+// as the loop reaches token j of this one.
 template <int C, int HG>
 inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, int n,
                                   const vf (*p)[2], const float* alpha, int64_t h0, int count,
-                                  float* acc_out, const TileAhead<c10::BFloat16, C * kLanes>& ahead) {
+                                  float* acc_out,
+                                  const TileAhead<c10::BFloat16, C * kLanes>& ahead) {
   __m512 acc[HG][C];
   uint32_t w[HG][kLanes];
   for (int hl = 0; hl < HG; ++hl) {
@@ -70,8 +75,8 @@ inline void weighted_values_pairs(const c10::BFloat16* v, const int64_t* rows, i
     }
   }
   for (int j = 0; j < n; j += 2) {  // past n: weight 0, and the row repeats the first
-    ahead.ask(j);
-    ahead.ask(j + 1);
+    ahead.ask_v(j);
+    ahead.ask_v(j + 1);
     __m512bh pairs[C];
     for (int c = 0; c < C; c += 2) {
       vu r0, r1;
