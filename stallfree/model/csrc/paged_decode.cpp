@@ -93,8 +93,8 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
 // of V rows together). A tile ahead's rows (`next`) are asked for one KV head at a time and
 // a token at a time: its K rows as the scores reach the same token of this tile, its V rows
 // as the weighted values do. Asked all at once, a head's 128 lines queued up and the tile's
-// own loads waited behind them (1.2-1.4x per layer at 8-64 decodes of 521 tokens with the
-// cache in DRAM, 2-core EPYC, docs/benchmarks.md).
+// own loads waited behind them (1.1-1.3x per layer at 8-64 decodes with the cache in DRAM,
+// 2-core EPYC, docs/benchmarks.md).
 template <typename T, int C>
 void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int64_t* rows,
                  int n, const Partial& out, const int64_t* next, int n_next) {
