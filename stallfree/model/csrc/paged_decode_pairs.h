@@ -20,7 +20,8 @@ namespace {
 // a[j]: the lane products of query head qh with key row j (their sum is the score). With
 // AVX512_BF16, a bf16 row is multiplied as it is stored, pairs of dims at a time: two
 // instructions per row at 64 dims, where widening it first takes eight. `ahead`, where not
-// null, is asked for the K rows of its tokens first + j as row j is reached.
+// null, is asked for the K rows of its tokens first + j as row j is reached (null rather
+// than a TileAhead of no tokens: with the pointer the loop is 1.05-1.1x faster, 2-core EPYC).
 template <typename T, int C>
 inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a,
                          const TileAhead<T, C * kLanes>* ahead, int first) {
