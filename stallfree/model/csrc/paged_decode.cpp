@@ -58,13 +58,11 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
   vf scores[HG][2];
   float m[HG];
   for (int i = 0; i < count; ++i) {
-    vf a[kLanes];
-    key_products<T, C>(q + (h0 + i) * C, k, rows, a, i == 0 ? &ahead : nullptr, 0);
-    scores[i][0] = lane < n0 ? hsum16(a) : minus_inf;
+    const TileAhead<T, C * kLanes>* asks = i == 0 ? &ahead : nullptr;
+    scores[i][0] = lane < n0 ? key_scores<T, C>(q + (h0 + i) * C, k, rows, asks, 0) : minus_inf;
     if (n1 > 0) {
-      key_products<T, C>(q + (h0 + i) * C, k, rows + kLanes, a, i == 0 ? &ahead : nullptr,
-                         kLanes);
-      scores[i][1] = lane < n1 ? hsum16(a) : minus_inf;
+      const vf s = key_scores<T, C>(q + (h0 + i) * C, k, rows + kLanes, asks, kLanes);
+      scores[i][1] = lane < n1 ? s : minus_inf;
     } else {
       scores[i][1] = minus_inf;
     }
@@ -115,6 +113,12 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
         weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc, ahead);
         continue;
       }
+#endif
+#ifndef __AVX512F__
+      for (int hl = 0; hl < count; ++hl)
+        weighted_values_halves<T, C>(v + head, rows, n, p[hl], alpha[hl],
+                                     out.acc + (h0 + hl) * C * kLanes, hl == 0 ? &ahead : nullptr);
+      continue;
 #endif
       for (int hl = 0; hl < count; ++hl) {  // every head of the pass (a bf16 cache built
         float* acc_out = out.acc + (h0 + hl) * C * kLanes;  // without AVX512_BF16 has 3)

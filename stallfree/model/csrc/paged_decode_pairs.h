@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "paged_decode.h"
+#include "paged_decode_halves.h"
 #include "vec.h"
 
 #ifdef __AVX512BF16__
@@ -17,14 +18,17 @@
 
 namespace {
 
-// a[j]: the lane products of query head qh with key row j (their sum is the score). With
+// The scores of query head qh against key rows j = 0..15, lane j holding row j's. With
 // AVX512_BF16, a bf16 row is multiplied as it is stored, pairs of dims at a time: two
 // instructions per row at 64 dims, where widening it first takes eight. `ahead`, where not
 // null, is asked for the K rows of its tokens first + j as row j is reached (null rather
 // than a TileAhead of no tokens: with the pointer the loop is 1.05-1.1x faster, 2-core EPYC).
 template <typename T, int C>
-inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a,
-                         const TileAhead<T, C * kLanes>* ahead, int first) {
+inline vf key_scores(const vf* qh, const T* k, const int64_t* rows,
+                     const TileAhead<T, C * kLanes>* ahead, int first) {
+#ifdef __AVX512F__
+  vf a[kLanes];  // a[j]: the lane products of row j, summed across lanes by hsum16
+#endif
 #ifdef __AVX512BF16__
   if constexpr (kSplit<T, C>) {
     __m512bh qb[C / 2];  // the query's pairs, as stored: the even dim low, the odd dim high
@@ -39,9 +43,10 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a,
         sum = _mm512_dpbf16_ps(sum, qb[c], (__m512bh)_mm512_loadu_si512(k + rows[j] + c * 32));
       a[j] = reinterpret_cast<vf>(sum);
     }
-    return;
+    return hsum16(a);
   }
 #endif
+#ifdef __AVX512F__
 #pragma GCC unroll 16
   for (int j = 0; j < kLanes; ++j) {
     if (ahead != nullptr) ahead->ask_k(first + j);
@@ -50,6 +55,10 @@ inline void key_products(const vf* qh, const T* k, const int64_t* rows, vf* a,
     a[j] = qh[0] * kr[0];
     for (int c = 1; c < C; ++c) a[j] += qh[c] * kr[c];
   }
+  return hsum16(a);
+#else
+  return key_scores_halves<T, C>(qh, k, rows, ahead, first);
+#endif
 }
 
 #ifdef __AVX512BF16__
