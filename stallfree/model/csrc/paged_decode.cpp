@@ -6,7 +6,8 @@
 // longest context. Online softmax in fp32; bfloat16 and float16 rows are widened to fp32 in
 // registers where they are used, the query heads of a GQA group reading the same rows from
 // L1; on CPUs with AVX512_BF16, bf16 rows are multiplied as stored, in bf16-pair dot
-// products (paged_decode_pairs.h). The rows of tiles ahead are asked for while the current
+// products (paged_decode_pairs.h); in builds without AVX-512, over 8-float halves of the
+// vectors (paged_decode_halves.h). The rows of tiles ahead are asked for while the current
 // one computes, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
