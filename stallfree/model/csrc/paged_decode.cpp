@@ -115,14 +115,9 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
         continue;
       }
 #endif
-#ifndef __AVX512F__
-      for (int hl = 0; hl < count; ++hl)
-        weighted_values_halves<T, C>(v + head, rows, n, p[hl], alpha[hl],
-                                     out.acc + (h0 + hl) * C * kLanes, hl == 0 ? &ahead : nullptr);
-      continue;
-#endif
       for (int hl = 0; hl < count; ++hl) {  // every head of the pass (a bf16 cache built
         float* acc_out = out.acc + (h0 + hl) * C * kLanes;  // without AVX512_BF16 has 3)
+#ifdef __AVX512F__
         vf acc[C];
         std::memcpy(acc, acc_out, sizeof acc);
         for (int c = 0; c < C; ++c) acc[c] *= alpha[hl];
@@ -133,6 +128,10 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
           for (int c = 0; c < C; ++c) acc[c] += p[hl][j / kLanes][j % kLanes] * vr[c];
         }
         std::memcpy(acc_out, acc, sizeof acc);
+#else
+        weighted_values_halves<T, C>(v + head, rows, n, p[hl], alpha[hl], acc_out,
+                                     hl == 0 ? &ahead : nullptr);
+#endif
       }
     }
   }
