@@ -2,9 +2,10 @@
 layer loop, the reference: the same kernels in the same order, so the same bits, in the
 hidden states and in every KV slot written.
 
-The loop needs the bf16 weights packed for the tile kernel (AMX or AVX512_BF16); on a CPU
-without either the tests that run it skip and say which flag is missing, and the reasons
-the loop gives for not running are tested everywhere.
+In bf16 the loop needs the weights packed for the tile kernel (AMX or AVX512_BF16); on a
+CPU without either those tests skip and say which flag is missing. In float32 it needs the
+kernels built (f32_linear.cpp), and runs decodes only: float32 prefill attention is torch's.
+The reasons the loop gives for not running are tested everywhere.
 """
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ from hypothesis import strategies as st
 from stallfree import LLM, SamplingParams
 from stallfree.model import AttentionMetadata, allocate_kv_cache, layer_loop, load_model
 from stallfree.model.attention import GatherWorkspace
+from stallfree.model.kernels import unavailable_reason
 from stallfree.model.layer_loop import LayerLoop
-from stallfree.model.linear import pair_kernel_unavailable_reason
+from stallfree.model.linear import F32, pair_kernel_unavailable_reason
 from stallfree.model.parallel import Shard
 
 MISSING = pair_kernel_unavailable_reason()
 needs_loop = pytest.mark.skipif(MISSING is not None,
                                 reason=f"the layer loop needs the packed bf16 kernel: {MISSING}")
+F32_MISSING = unavailable_reason()
+needs_f32_loop = pytest.mark.skipif(F32_MISSING is not None,
+                                    reason=f"the float32 layer loop needs the kernels: "
+                                           f"{F32_MISSING}")
 BLOCK_SIZE, NUM_BLOCKS = 16, 300  # more than the largest drawn batch's 274 blocks
 # Head size 64 (RoPE's kernel takes multiples of 32), GQA groups of 2, three layers.
 SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3,
@@ -40,11 +46,11 @@ def model_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("loop_llama"), **SHAPE)
 
 
-def _forward(model, config, seqs, seed: int, loop: bool):
+def _forward(model, config, seqs, seed: int, loop: bool, dtype=torch.bfloat16):
     """(hidden states, KV cache) of one forward over `seqs` [(cached, new, table)] with a
     random cache, the C++ loop on or off; asserts it was taken when on."""
     gen = torch.Generator().manual_seed(seed)
-    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, "cpu")
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
     kv.copy_(torch.randn(kv.shape, generator=gen))
     rows = sum(n for _, n, _ in seqs)
     ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
@@ -53,7 +59,7 @@ def _forward(model, config, seqs, seed: int, loop: bool):
     with torch.inference_mode(), layer_loop.SWITCH.within(loop):
         hidden = model(ids, pos, meta, kv)
         if loop:
-            x = torch.empty(rows, config.hidden_size, dtype=torch.bfloat16)
+            x = torch.empty(rows, config.hidden_size, dtype=dtype)
             assert model.layer_loop.fits(x, meta, kv), "the batch took the Python loop"
     return hidden, kv
 
@@ -88,20 +94,35 @@ def test_property_the_loop_equals_the_python_layers(model_dir, chunks, decodes, 
     assert torch.equal(kv, ref_kv)
 
 
-_LOADED: dict[str, tuple] = {}
+@needs_f32_loop
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decodes=st.lists(st.integers(1, 500), min_size=1, max_size=14),
+       seed=st.integers(0, 2**16))
+def test_property_the_float32_loop_equals_the_python_layers(model_dir, decodes, seed):
+    """float32 decodes (past the matmul kernel's 12-row micro-blocks): the same bits."""
+    model, config = _load(model_dir, torch.float32)
+    seqs = _batch([], decodes, seed)
+    hidden, kv = _forward(model, config, seqs, seed, True, torch.float32)
+    ref_hidden, ref_kv = _forward(model, config, seqs, seed, False, torch.float32)
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(kv, ref_kv)
 
 
-def _load(path: str | None):
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, torch.bfloat16, "cpu")
-    return _LOADED[path]
+_LOADED: dict[tuple, tuple] = {}
 
 
-@needs_loop
-def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way():
+def _load(path: str | None, dtype: torch.dtype = torch.bfloat16):
+    if (path, dtype) not in _LOADED:
+        _LOADED[path, dtype] = load_model(path, dtype, "cpu")
+    return _LOADED[path, dtype]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_loop),
+                                   pytest.param("float32", marks=needs_f32_loop)])
+def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way(dtype):
     """End to end on the default model: decodes beside chunked prefills, greedy, no prefix
     cache (a prefix served from it is computed differently, whichever loop runs)."""
-    llm = LLM(max_model_len=1024, dtype="bfloat16", token_budget=64,
+    llm = LLM(max_model_len=1024, dtype=dtype, token_budget=64,
               enable_prefix_caching=False)
     assert llm.engine.executor.model.layer_loop is not None
     prompts = [[(i * 7919 + j * 31) % 40000 + 100 for j in range(20 + 53 * i)] for i in range(5)]
@@ -115,8 +136,11 @@ def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way():
 
 
 def test_layers_it_cannot_run_say_why(model_dir):
-    model, _ = load_model(model_dir, torch.float32, "cpu")
-    assert model.layer_loop is None and "not packed" in model.layer_loop_reason
+    with F32.within(False):
+        model, _ = load_model(model_dir, torch.float32, "cpu")
+    assert model.layer_loop is None
+    assert model.layer_loop_reason == "qkv_proj is not packed for the f32 kernel " \
+                                      "(linear.pack_weight)"
     assert LayerLoop.build(model.model.layers, Shard(tp_size=2))[1].startswith("tensor")
     assert LayerLoop.build([], Shard())[1] == "no decoder layers on this stage"
     if MISSING is None:

@@ -1,11 +1,12 @@
 """A forward pass's decoder layers in one call to the CPU kernels (csrc/layer_loop.cpp).
 
 Where every step of a layer runs in a kernel anyway (bf16 weights in the tile packing of
-linear.py, the fused norms and RoPE of layers.py, paged attention in its kernels), the
+linear.py or float32 ones in its f32 packing, the fused norms and RoPE of layers.py, paged
+attention in its kernels), the
 Python between those calls is all that is left to save: at a one-row decode step it cost a
 fifth of the step (docs/benchmarks.md, "The layer loop in C++"). The C++ loop calls the same
 kernels in the same order, so its results are the Python path's to the bit; the tests hold
-it to that. Anything else (tensor parallelism, biases, float32 weights, a switch off, a
+it to that. Anything else (tensor parallelism, biases, other dtypes, a switch off, a
 batch a kernel does not take) takes the Python loop, which stays the reference.
 STALLFREE_LAYER_LOOP=0 turns it off.
 """
@@ -43,13 +44,14 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
            for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(eps) > 1:
         return "the layers' norms differ in eps"
+    kind = "f32" if layers[0].input_layernorm.weight.dtype == torch.float32 else "amx"
     for layer in layers:
         for name, module in _linears(layer).items():
-            want = "amx_gated" if name == "gate_up_proj" else "amx"
+            want = f"{kind}_gated" if name == "gate_up_proj" else kind
             if module.bias is not None:
                 return f"{name} has a bias"
             if module.packed is None or module.packed.layout != want:
-                return f"{name} is not packed for the tile kernel (linear.pack_weight)"
+                return f"{name} is not packed for the {kind} kernel (linear.pack_weight)"
     return None
 
 
@@ -84,14 +86,20 @@ class LayerLoop:
         """Whether this batch takes the C++ loop: each call there is the kernel the Python
         path would choose for it (after `meta.prepare`)."""
         if not (SWITCH.usable() and fused.FUSED.usable() and x.device.type == "cpu"
-                and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
-                and linear.runs_packed(x.shape[0]) and fused.cache_fits_rope(kv_cache, x.dtype)
+                and x.dtype == self.weights[1].dtype and x.dim() == 2 and x.is_contiguous()
+                and self._matmuls_run(x.shape[0]) and fused.cache_fits_rope(kv_cache, x.dtype)
                 and kv_cache.shape[0] * WEIGHTS_PER_LAYER == len(self.weights)):
             return False
         decodes = x.shape[0] > meta.num_prefill_tokens
         if decodes and not paged_decode.usable(kv_cache[0]):
             return False
         return meta.num_prefill_tokens == 0 or meta.prefill_kernel_lens is not None
+
+    def _matmuls_run(self, rows: int) -> bool:
+        """Whether linear.py would run these packings' matmuls of `rows` rows in the kernel."""
+        if self.weights[1].dtype == torch.float32:
+            return linear.F32.enabled
+        return linear.runs_packed(rows)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata,

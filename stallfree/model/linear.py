@@ -13,9 +13,12 @@ few-row bf16 matmuls (up to SKINNY_MAX_TOKENS) run in the skinny kernel, which w
 to fp32 vectors, and more rows go to oneDNN from weights reordered once into its blocked
 layout (`pack_weight`): F.linear on a plain bf16 weight reorders it on every call, which at
 8-128 rows costs a third of the time (docs/benchmarks.md: "Prepacked bf16 weights").
-Everything else goes to F.linear, the reference. STALLFREE_AMX_LINEAR=0 (the tile
-packing's kernel, tiles or vectors), STALLFREE_SKINNY_LINEAR=0 and
-STALLFREE_PACKED_LINEAR=0 turn each path off.
+float32 weights are packed for csrc/f32_linear.cpp, which runs every float32 matmul: at
+1-8 rows it read the weights 2.7x faster than F.linear on a 2-core EPYC and at 512 rows
+it was 1.2x faster (docs/benchmarks.md: "float32 matmuls"). Everything else goes to
+F.linear, the reference. STALLFREE_AMX_LINEAR=0 (the tile packing's kernel, tiles or
+vectors), STALLFREE_F32_LINEAR=0, STALLFREE_SKINNY_LINEAR=0 and STALLFREE_PACKED_LINEAR=0
+turn each path off.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ SKINNY_MAX_TOKENS = 4
 SWITCH = KernelSwitch("STALLFREE_SKINNY_LINEAR")
 PACKED = KernelSwitch("STALLFREE_PACKED_LINEAR", needs_library=False)
 AMX = KernelSwitch("STALLFREE_AMX_LINEAR")
+F32 = KernelSwitch("STALLFREE_F32_LINEAR")
 # Measured on a 2-core AMX CPU (model shapes, 30 layers' weights): the AMX kernel takes
 # 0.7-0.95x oneDNN's time at 1-512 rows and 1.2-1.35x at 2048, where oneDNN's blocking
 # reuses x better; torch's matmul (which reorders the plain weight) takes those. In vectors
@@ -48,7 +52,8 @@ PACK_HINT_ROWS = 512
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [out, in] reordered once for a matmul: `layout` "amx" (csrc/amx_linear.cpp's
-    tiles) or "onednn" (oneDNN's blocked layout)."""
+    tiles), "f32" (csrc/f32_linear.cpp's blocks), either "_gated" (gate and up blocks
+    alternating, `gated_linear`), or "onednn" (oneDNN's blocked layout)."""
 
     data: torch.Tensor
     layout: str
@@ -90,18 +95,37 @@ def _amx_shape(weight: torch.Tensor) -> bool:
     return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
 
 
+def _gate_up_alternating(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] with their 16-row blocks interleaved: gate block i, then up block i."""
+    half = weight.shape[0] // 2
+    blocks = weight.reshape(2, half // 16, 16, weight.shape[1]).transpose(0, 1)
+    return blocks.reshape(weight.shape)
+
+
+def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
+    if weight.shape[0] % (32 if gated else 16) or not F32.usable():
+        return None
+    if gated:
+        return PackedWeight(torch.ops.stallfree.f32_pack(_gate_up_alternating(weight)),
+                            "f32_gated")
+    return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32")
+
+
 def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
-    """`weight` [out, in] reordered for the AMX kernel where it can run, else for oneDNN's
-    matmul; None where neither is used (not a CPU bf16 weight, neither available, or
-    their switches off). The copy costs the weight's size again in memory; it is built
-    after loading, so KV sizing sees it. `gated`: the weight is [gate; up] (`gated_linear`),
-    packed for the AMX kernel with its gate and up blocks of 16 rows alternating."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    """`weight` [out, in] reordered for a kernel: a bf16 one for the AMX kernel where it can
+    run, else for oneDNN's matmul; a float32 one for the float32 kernel. None where none
+    is used (another dtype or device, no kernel available, or its switch off). The copy
+    costs the weight's size again in memory; it is built after loading, so KV sizing sees
+    it. `gated`: the weight is [gate; up] (`gated_linear`), packed with its gate and up
+    blocks of 16 rows alternating."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype == torch.float32:
+        return _pack_f32(weight, gated)
+    if weight.dtype != torch.bfloat16:
         return None
     if gated and weight.shape[0] % 64 == 0 and _amx_shape(weight) and amx_available():
-        half = weight.shape[0] // 2
-        blocks = weight.reshape(2, half // 16, 16, weight.shape[1]).transpose(0, 1)
-        return PackedWeight(torch.ops.stallfree.amx_pack(blocks.reshape(weight.shape)),
+        return PackedWeight(torch.ops.stallfree.amx_pack(_gate_up_alternating(weight)),
                             "amx_gated")
     if _amx_shape(weight) and amx_available():
         return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx")
@@ -127,6 +151,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
     if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0]):
         out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
+    elif packed_fits and packed.layout == "f32" and F32.enabled:
+        out = torch.ops.stallfree.f32_linear(x, packed.data, weight.shape[0])
     elif runs_in_kernel(x, weight):
         out = torch.ops.stallfree.skinny_linear(x, weight)
     else:
@@ -147,8 +173,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
-    """Whether `gated_linear` runs x of `rows` rows in the AMX kernel's fused form."""
-    return packed is not None and packed.layout == "amx_gated" and runs_packed(rows)
+    """Whether `gated_linear` runs x of `rows` rows in a kernel's fused form."""
+    if packed is None:
+        return False
+    return (packed.layout == "amx_gated" and runs_packed(rows)
+            or packed.layout == "f32_gated" and F32.enabled)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -156,9 +185,11 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor,
     """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] [2I, in]. From a gated packing,
     in one AMX pass that never stores the [T, 2I] products: at a 512-token chunk those
     and the two torch ops reading them back cost as much as the matmul's arithmetic."""
-    if x.dim() == 2 and x.dtype == torch.bfloat16 and fuses_gate(packed, x.shape[0]):
-        return torch.ops.stallfree.amx_linear_silu_mul(x, packed.data, weight.shape[0])
-    plain = packed if packed is not None and packed.layout != "amx_gated" else None
+    if x.dim() == 2 and x.dtype == weight.dtype and fuses_gate(packed, x.shape[0]):
+        fused = (torch.ops.stallfree.f32_linear_silu_mul if packed.layout == "f32_gated"
+                 else torch.ops.stallfree.amx_linear_silu_mul)
+        return fused(x, packed.data, weight.shape[0])
+    plain = packed if packed is not None and not packed.layout.endswith("_gated") else None
     return silu_mul(linear(x, weight, None, plain))
 
 

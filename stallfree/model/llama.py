@@ -158,8 +158,8 @@ class LlamaForCausalLM(nn.Module):
             packs += [self.logits_packed] if self.logits_packed is not None else []
         if packs:
             layouts = sorted({p.layout for p in packs})
-            logger.info("bf16 matmul weights prepacked for %s: %.0f MB more memory "
-                        "(STALLFREE_AMX_LINEAR=0 / STALLFREE_PACKED_LINEAR=0 turn it off)",
+            logger.info("matmul weights prepacked for %s: %.0f MB more memory (STALLFREE_"
+                        "AMX_LINEAR=0 / _F32_LINEAR=0 / _PACKED_LINEAR=0 turn it off)",
                         "+".join(layouts), sum(p.nbytes for p in packs) / 1e6)
         self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard)
         if self.layer_loop is not None:

@@ -31,6 +31,7 @@
 #include "vec.h"
 
 #include "amx.h"
+#include "column_pairs.h"
 #include "pair_linear_vec.h"
 
 namespace {
@@ -187,18 +188,6 @@ at::Tensor amx_pack(const at::Tensor& weight) {
       }
   });
   return out;
-}
-
-// fn(first, end) on each thread's equal run of column blocks, in whole pairs (both paths
-// walk the packing two column blocks at a time).
-template <typename F>
-void by_column_pairs(int64_t col_blocks, F&& fn) {
-  const int64_t pairs = (col_blocks + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      fn(2 * (pairs * t / threads), std::min(col_blocks, 2 * (pairs * (t + 1) / threads)));
-  });
 }
 
 #ifdef PAIR_LINEAR_VEC

@@ -1,5 +1,6 @@
 // A model's decoder layers in one call (CPU): the kernels the Python layer loop calls
-// (fused_ops.cpp, amx_linear.cpp, rope_cache.cpp, paged_prefill.cpp, paged_decode.cpp), in
+// (fused_ops.cpp, amx_linear.cpp or f32_linear.cpp, rope_cache.cpp, paged_prefill.cpp,
+// paged_decode.cpp), in
 // the same order on the same tensors, so the results are the same bits; only the Python
 // between them is gone. At a one-row decode step a layer's kernels read its weights in
 // ~0.2 ms, and the Python around its eight kernel calls (module calls, the checks choosing
@@ -27,6 +28,7 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 using NormSig = Tensor(const Tensor&, const Tensor&, double);
 using AddNormSig = Tensor(const Tensor&, Tensor&, const Tensor&, double);
 using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, bool);
+using F32LinearSig = Tensor(const Tensor&, const Tensor&, int64_t);
 using RopeSig = void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&, int64_t,
                      int64_t);
 using PrefillSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -42,6 +44,10 @@ struct Kernels {
       find<AddNormSig>("stallfree::add_rms_norm");
   c10::TypedOperatorHandle<LinearSig> linear = find<LinearSig>("stallfree::amx_linear");
   c10::TypedOperatorHandle<LinearSig> gated = find<LinearSig>("stallfree::amx_linear_silu_mul");
+  c10::TypedOperatorHandle<F32LinearSig> f32_linear =
+      find<F32LinearSig>("stallfree::f32_linear");
+  c10::TypedOperatorHandle<F32LinearSig> f32_gated =
+      find<F32LinearSig>("stallfree::f32_linear_silu_mul");
   c10::TypedOperatorHandle<RopeSig> rope_cache = find<RopeSig>("stallfree::rope_cache");
   c10::TypedOperatorHandle<PrefillSig> paged_prefill =
       find<PrefillSig>("stallfree::paged_prefill");
@@ -54,8 +60,15 @@ const Kernels& kernels() {
 }
 
 // Per layer, in this order: input norm weight, qkv (amx packing), o (amx), post-attention
-// norm weight, gate/up (amx_gated packing), down (amx).
+// norm weight, gate/up (amx_gated packing), down (amx); for float32, the f32 packings.
 constexpr int64_t kWeightsPerLayer = 6;
+
+// x @ W.T from W's packing (gated: silu(gate) * up) in the matmul kernel of x's dtype.
+Tensor matmul(const Kernels& k, const Tensor& x, const Tensor& packed, int64_t n, bool gated) {
+  if (x.scalar_type() == at::kFloat)
+    return (gated ? k.f32_gated : k.f32_linear).call(x, packed, n);
+  return (gated ? k.gated : k.linear).call(x, packed, n, true);
+}
 
 struct Attention {
   const Tensor& decode_tables;
@@ -82,7 +95,7 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
-// x [T, hidden] bf16 through every layer; returns (the last layer's MLP output, the residual
+// x [T, hidden] (bf16 or float32, as the packings) through every layer; returns (the last layer's MLP output, the residual
 // stream before it), as LlamaDecoderLayer.forward does, for the final norm to add. As there,
 // x itself is the first layer's residual stream: the second layer's norm adds into it, and
 // the residual returned is x's storage.
@@ -115,13 +128,13 @@ std::tuple<Tensor, Tensor> decoder_layers(
       h = k.rms_norm.call(x, w[0], eps);
       residual = x;
     }
-    Tensor qkv = k.linear.call(h, w[1], qkv_features, true);
+    Tensor qkv = matmul(k, h, w[1], qkv_features, false);
     k.rope_cache.call(qkv, cos, sin, cache, slot_mapping, heads, kv_heads);
     const Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, dim});
-    const Tensor o = k.linear.call(attend(k, q, cache, attention).reshape({rows, q_size}), w[2],
-                                   hidden, true);
+    const Tensor o =
+        matmul(k, attend(k, q, cache, attention).reshape({rows, q_size}), w[2], hidden, false);
     h = k.add_rms_norm.call(o, residual, w[3], eps);
-    x = k.linear.call(k.gated.call(h, w[4], gate_up_features, true), w[5], hidden, true);
+    x = matmul(k, matmul(k, h, w[4], gate_up_features, true), w[5], hidden, false);
   }
   return {x, residual};
 }
