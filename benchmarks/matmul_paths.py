@@ -1,7 +1,9 @@
-"""The bf16 matmul paths of stallfree/model/linear.py side by side, on the default model's
-shapes: every layer's four weights (30 layers, 212 MB, read cold), at several row counts.
+"""The matmul paths of stallfree/model/linear.py side by side, on the default model's
+shapes: every layer's four weights (30 layers, 212 MB in bf16, read cold), at several row
+counts.
 
 Run: .venv/bin/python benchmarks/matmul_paths.py [--rows 1 8 32 512] [--rounds 5] [--gated]
+     [--dtype float32]
 
 Paths, timed in turn within every round (interleaved, so a load change hits them alike):
   amx      csrc/amx_linear.cpp on weights packed for the tile multiply: in AMX tiles, or in
@@ -9,11 +11,14 @@ Paths, timed in turn within every round (interleaved, so a load change hits them
   onednn   oneDNN's matmul on weights reordered once into its blocked layout
   skinny   csrc/skinny_linear.cpp (up to linear.SKINNY_MAX_TOKENS rows)
   torch    F.linear on the plain weight (oneDNN reorders it at every call)
+--dtype float32: float32 weights, and the paths f32 (csrc/f32_linear.cpp on its packing),
+onednn and torch.
 Prints the median ms per pass over all 120 matrices, the weight bytes streamed per second
 and the matmul rate, with the CPU's flags.
 --gated: only the MLP's gate/up weights, each followed by SiLU x up: `fused` (the AMX
 kernel with SiLU x up in its epilogue, linear.gated_linear) against `amx+torch` (the AMX
-matmul storing [T, 2I], then torch's two ops, linear.silu_mul).
+matmul storing [T, 2I], then torch's two ops, linear.silu_mul); in float32 the f32 kernel's
+fused form against f32+torch.
 """
 from __future__ import annotations
 
@@ -46,6 +51,45 @@ def model_shapes() -> list[tuple[int, int]]:
             (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
 
 
+Path = Callable[[torch.Tensor, int, int], object]  # (x, layer, weight) -> x @ W.T
+
+
+def gated_paths(weights: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
+                dtype: torch.dtype) -> dict[str, Path]:
+    kernel = "f32" if dtype == torch.float32 else "amx"
+    if kernel == "amx" and pair_kernel_unavailable_reason() is not None:
+        raise SystemExit(f"--gated needs the tile packing's kernel: "
+                         f"{pair_kernel_unavailable_reason()}")
+    if kernel == "f32" and unavailable_reason() is not None:
+        raise SystemExit(f"--gated needs the kernels: {unavailable_reason()}")
+    fused = [[pack_weight(w, gated=True) for w in layer] for layer in weights]
+    plain = [[pack_weight(w) for w in layer] for layer in weights]
+    matmul = getattr(torch.ops.stallfree, f"{kernel}_linear")
+    return {"fused": lambda x, i, j: gated_linear(x, weights[i][j], fused[i][j]),
+            f"{kernel}+torch": lambda x, i, j: silu_mul(matmul(x, plain[i][j].data,
+                                                               shapes[j][0]))}
+
+
+def plain_paths(weights: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
+                dtype: torch.dtype) -> dict[str, Path]:
+    paths: dict[str, Path] = {}
+    ops = torch.ops.stallfree
+    if dtype == torch.float32 and unavailable_reason() is None:
+        f32 = [[ops.f32_pack(w) for w in layer] for layer in weights]
+        paths["f32"] = lambda x, i, j: ops.f32_linear(x, f32[i][j], shapes[j][0])
+    elif dtype == torch.bfloat16 and pair_kernel_unavailable_reason() is None:
+        amx = [[ops.amx_pack(w) for w in layer] for layer in weights]
+        paths["amx"] = lambda x, i, j: ops.amx_linear(x, amx[i][j], shapes[j][0])
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in layer]
+              for layer in weights]
+    paths["onednn"] = lambda x, i, j: torch.ops.mkldnn._linear_pointwise(
+        x, onednn[i][j], None, "none", [], "")
+    if dtype == torch.bfloat16 and unavailable_reason() is None:
+        paths["skinny"] = lambda x, i, j: ops.skinny_linear(x, weights[i][j])
+    paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512,
@@ -54,36 +98,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--gated", action="store_true",
                     help="gate/up weights only, SiLU x up fused vs after the matmul")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     shapes = model_shapes()
     if args.gated:
         shapes = shapes[2:3]
-    weights = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(args.layers)]
+    weights = [[torch.randn(n, k, dtype=dtype) for n, k in shapes] for _ in range(args.layers)]
     nbytes = sum(w.nbytes for layer in weights for w in layer)
-    paths: dict[str, Callable[[torch.Tensor, int, int], object]] = {}
-    if args.gated:
-        if pair_kernel_unavailable_reason() is not None:
-            raise SystemExit(f"--gated needs the tile packing's kernel: "
-                             f"{pair_kernel_unavailable_reason()}")
-        fused = [[pack_weight(w, gated=True) for w in layer] for layer in weights]
-        plain = [[pack_weight(w) for w in layer] for layer in weights]
-        paths["fused"] = lambda x, i, j: gated_linear(x, weights[i][j], fused[i][j])
-        paths["amx+torch"] = lambda x, i, j: silu_mul(torch.ops.stallfree.amx_linear(
-            x, plain[i][j].data, shapes[j][0]))
-    elif pair_kernel_unavailable_reason() is None:
-        amx = [[torch.ops.stallfree.amx_pack(w) for w in layer] for layer in weights]
-        paths["amx"] = lambda x, i, j: torch.ops.stallfree.amx_linear(x, amx[i][j],
-                                                                      shapes[j][0])
-    if not args.gated:
-        onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in layer]
-                  for layer in weights]
-        paths["onednn"] = lambda x, i, j: torch.ops.mkldnn._linear_pointwise(
-            x, onednn[i][j], None, "none", [], "")
-        if unavailable_reason() is None:
-            paths["skinny"] = lambda x, i, j: torch.ops.stallfree.skinny_linear(
-                x, weights[i][j])
-        paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
+    paths = (gated_paths(weights, shapes, dtype) if args.gated
+             else plain_paths(weights, shapes, dtype))
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}; "
           f"AMX: {amx_unavailable_reason() or 'yes'}; the amx path in "
@@ -94,7 +119,7 @@ def main() -> None:
     print("| rows | " + " | ".join(names) + " | fastest | its GB/s | its GFLOP/s |")
     print("|---" * (len(names) + 4) + "|")
     for rows in args.rows:
-        xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
+        xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
         active = [n for n in names if n != "skinny" or rows <= SKINNY_MAX_TOKENS]
         times: dict[str, list[float]] = {n: [] for n in active}
         for round_ in range(args.rounds + 1):  # the first round warms up
@@ -110,7 +135,7 @@ def main() -> None:
         print(f"| {rows} | " + " | ".join(f"{med[n] * 1e3:.2f}" if n in med else "-"
                                           for n in names)
               + f" | {best} | {nbytes / med[best] / 1e9:.1f} | "
-              f"{2 * rows * nbytes / 2 / med[best] / 1e9:.0f} |", flush=True)
+              f"{2 * rows * nbytes / dtype.itemsize / med[best] / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 // registers (paged_decode_halves.h), so no 16-lane `vf` is used in the inner loop.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,16 +32,33 @@
 
 namespace {
 
+// A micro-block's accumulators, the block rows of W and the broadcast value of x fill the
+// registers: 12 rows x two blocks (24 + 2 + 1 of 32 zmm), or in AVX2 6 rows x one block
+// (12 + 2 + 1 of 16 ymm; two blocks of 3 rows, whose W then came from memory at every
+// FMA, took 1.2-1.3x as long at 32-512 rows).
 #ifdef __AVX512F__
 typedef float vn __attribute__((vector_size(64)));
-constexpr int kMicroRows = 12;  // 24 accumulators of the 32 registers
+constexpr int kMicroRows = 12;
+constexpr bool kBlockPairs = true;
 #else
 typedef float vn __attribute__((vector_size(32)));
-constexpr int kMicroRows = 3;  // 12 accumulators of 16: a block is two registers
+constexpr int kMicroRows = 6;
+constexpr bool kBlockPairs = false;
 #endif
-constexpr int kBlock = 16;                                     // columns per packed block
-constexpr int kParts = kBlock * sizeof(float) / sizeof(vn);    // registers per block row
+constexpr int kBlock = 16;                             // columns per packed block
+constexpr int kWidth = sizeof(vn) / sizeof(float);     // lanes per register
+constexpr int kParts = kBlock / kWidth;                // registers per block row
 constexpr int64_t kChunkBytes = 384 << 10;                     // x rows held in L2 at once
+
+// s in every lane: vn{} + s costs an add (0 + -0 is +0), and GCC builds a lane-by-lane
+// splat loop one masked broadcast per lane.
+inline vn splat(float s) {
+#ifdef __AVX512F__
+  return (vn)_mm512_set1_ps(s);
+#else
+  return (vn)_mm256_set1_ps(s);
+#endif
+}
 
 // M rows of x (row stride lda) against column blocks w0 and, if Two, w1 (k_dim vectors of
 // 16 each); sums to acc [M][32]. `next`, where not null: two blocks to ask L2 for, two
@@ -56,22 +74,29 @@ inline void micro_block(const float* x, int64_t lda, const float* w0, const floa
       __builtin_prefetch(next + 2 * kBlock * k, 0, 2);
       __builtin_prefetch(next + 2 * kBlock * k + kBlock, 0, 2);
     }
+    // One load per register: a single copy of a whole block row into the array went
+    // through the stack in 16-byte pieces in AVX2 builds.
     vn b0[kParts], b1[kParts];
-    std::memcpy(b0, w0 + kBlock * k, sizeof b0);
-    if (Two) std::memcpy(b1, w1 + kBlock * k, sizeof b1);
+#pragma GCC unroll 2
+    for (int p = 0; p < kParts; ++p) {
+      std::memcpy(&b0[p], w0 + kBlock * k + p * kWidth, sizeof(vn));
+      if (Two) std::memcpy(&b1[p], w1 + kBlock * k + p * kWidth, sizeof(vn));
+    }
 #pragma GCC unroll 12
     for (int m = 0; m < M; ++m) {
-      const vn xb = vn{} + x[m * lda + k];
+      const vn xb = splat(x[m * lda + k]);
+#pragma GCC unroll 2
       for (int p = 0; p < kParts; ++p) {
         a0[m][p] += xb * b0[p];
         if (Two) a1[m][p] += xb * b1[p];
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    std::memcpy(acc + m * 2 * kBlock, a0[m], sizeof a0[m]);
-    if (Two) std::memcpy(acc + m * 2 * kBlock + kBlock, a1[m], sizeof a1[m]);
-  }
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < kParts; ++p) {
+      std::memcpy(acc + m * 2 * kBlock + p * kWidth, &a0[m][p], sizeof(vn));
+      if (Two) std::memcpy(acc + m * 2 * kBlock + kBlock + p * kWidth, &a1[m][p], sizeof(vn));
+    }
 }
 
 template <bool Two, int M = kMicroRows>
@@ -98,10 +123,14 @@ void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_be
       const int n = static_cast<int>(std::min<int64_t>(kMicroRows, row_end - r0));
       const float* ask = r0 == row_begin ? next : nullptr;
       const float* xr = x + r0 * k_dim;
-      if (two)
+      if (two && kBlockPairs) {
         micro_block_any<true>(n, xr, k_dim, w0, w0 + block, k_dim, acc, ask);
-      else
+      } else {
         micro_block_any<false>(n, xr, k_dim, w0, nullptr, k_dim, acc, ask);
+        if (two)  // its sums in acc's second half, as the pair's would be
+          micro_block_any<false>(n, xr, k_dim, w0 + block, nullptr, k_dim, acc + kBlock,
+                                 nullptr);
+      }
       for (int r = 0; r < n; ++r) {
         const float* sums = acc + r * 2 * kBlock;
         if (gated) {
