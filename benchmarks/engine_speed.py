@@ -13,7 +13,8 @@ weights repacked at each switch), amx_attention (decode attention's scores in AM
 its other path is the kernel's vectors), paged_prefill (prefill attention over the paged cache; its
 torch path gathers the context and runs SDPA; measured on prefills, not decode steps),
 layer_loop (the decoder layers in one C++ call; its other path is the Python layer loop
-calling the same kernels).
+calling the same kernels), f32_linear (float32 matmuls in their kernel, with --dtype
+float32; its torch path is F.linear and the Python layer loop).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from stallfree.model.llama import kv_cache_bytes_per_token
 SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
             "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
             "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH,
-            "layer_loop": layer_loop.SWITCH}
+            "layer_loop": layer_loop.SWITCH, "f32_linear": linear.F32}
 # Switches read when the weights are packed, at load: the model is repacked at each switch.
 REPACK = {"amx_linear", "packed_linear"}
 PREFILL = {"paged_prefill"}  # compared on prefill chunks
