@@ -24,6 +24,7 @@ from stallfree.model.linear import (
     pack_weight,
     silu_mul,
 )
+from test_linear_kernel import _rows_of_calls
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
@@ -86,17 +87,9 @@ def test_silu_mul_in_the_epilogue_equals_the_unfused_ops(tokens, half_blocks, co
     torch.testing.assert_close(fused, unfused, rtol=2e-6, atol=1e-30)
 
 
-def _calls(monkeypatch, op: str) -> list[int]:
-    """The rows of x of every call to torch.ops.stallfree.<op> from now on, in order."""
-    calls: list[int] = []
-    real = getattr(torch.ops.stallfree, op)
-    monkeypatch.setattr(torch.ops.stallfree, op,
-                        lambda x, p, n: calls.append(x.shape[0]) or real(x, p, n))
-    return calls
-
-
 def test_layers_take_the_kernel_at_any_rows_unless_switched_off(monkeypatch):
-    plain, gated = _calls(monkeypatch, "f32_linear"), _calls(monkeypatch, "f32_linear_silu_mul")
+    plain = _rows_of_calls(monkeypatch, "f32_linear")
+    gated = _rows_of_calls(monkeypatch, "f32_linear_silu_mul")
     layer, mlp = Linear(64, 48, bias=True), GatedLinear(64, 2 * 64, bias=False)
     layer.prepack()
     mlp.prepack()

@@ -2,13 +2,12 @@
 
 Where every step of a layer runs in a kernel anyway (bf16 weights in the tile packing of
 linear.py or float32 ones in its f32 packing, the fused norms and RoPE of layers.py, paged
-attention in its kernels), the
-Python between those calls is all that is left to save: at a one-row decode step it cost a
-fifth of the step (docs/benchmarks.md, "The layer loop in C++"). The C++ loop calls the same
-kernels in the same order, so its results are the Python path's to the bit; the tests hold
-it to that. Anything else (tensor parallelism, biases, other dtypes, a switch off, a
-batch a kernel does not take) takes the Python loop, which stays the reference.
-STALLFREE_LAYER_LOOP=0 turns it off.
+attention in its kernels), the Python between those calls is all that is left to save: at
+a one-row decode step it cost a fifth of the step (docs/benchmarks.md, "The layer loop in
+C++"). The C++ loop calls the same kernels in the same order, so its results are the Python
+path's to the bit; the tests hold it to that. Anything else (tensor parallelism, biases,
+other dtypes, a switch off, a batch a kernel does not take) takes the Python loop, which
+stays the reference. STALLFREE_LAYER_LOOP=0 turns it off.
 """
 from __future__ import annotations
 
