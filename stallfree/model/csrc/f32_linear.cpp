@@ -45,10 +45,10 @@ typedef float vn __attribute__((vector_size(32)));
 constexpr int kMicroRows = 6;
 constexpr bool kBlockPairs = false;
 #endif
-constexpr int kBlock = 16;                             // columns per packed block
-constexpr int kWidth = sizeof(vn) / sizeof(float);     // lanes per register
-constexpr int kParts = kBlock / kWidth;                // registers per block row
-constexpr int64_t kChunkBytes = 384 << 10;                     // x rows held in L2 at once
+constexpr int kBlock = 16;                          // columns per packed block
+constexpr int kWidth = sizeof(vn) / sizeof(float);  // lanes per register
+constexpr int kParts = kBlock / kWidth;             // registers per block row
+constexpr int64_t kChunkBytes = 384 << 10;          // x rows held in L2 at once
 
 // s in every lane: vn{} + s costs an add (0 + -0 is +0), and GCC builds a lane-by-lane
 // splat loop one masked broadcast per lane.
@@ -134,7 +134,8 @@ void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_be
       for (int r = 0; r < n; ++r) {
         const float* sums = acc + r * 2 * kBlock;
         if (gated) {
-          store16(out + (r0 + r) * ld + c / 2 * kBlock, silu(load16(sums)) * load16(sums + kBlock));
+          const vf product = silu(load16(sums)) * load16(sums + kBlock);
+          store16(out + (r0 + r) * ld + c / 2 * kBlock, product);
           continue;
         }
         float* o = out + (r0 + r) * ld + c * kBlock;

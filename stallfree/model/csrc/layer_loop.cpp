@@ -95,10 +95,10 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
-// x [T, hidden] (bf16 or float32, as the packings) through every layer; returns (the last layer's MLP output, the residual
-// stream before it), as LlamaDecoderLayer.forward does, for the final norm to add. As there,
-// x itself is the first layer's residual stream: the second layer's norm adds into it, and
-// the residual returned is x's storage.
+// x [T, hidden] (bf16 or float32, as the packings) through every layer; returns (the last
+// layer's MLP output, the residual stream before it), as LlamaDecoderLayer.forward does, for
+// the final norm to add. As there, x itself is the first layer's residual stream: the second
+// layer's norm adds into it, and the residual returned is x's storage.
 std::tuple<Tensor, Tensor> decoder_layers(
     Tensor x, at::TensorList weights, const Tensor& kv_cache, const Tensor& cos,
     const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
