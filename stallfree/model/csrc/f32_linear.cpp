@@ -35,7 +35,7 @@ namespace {
 // A micro-block's accumulators, the block rows of W and the broadcast value of x fill the
 // registers: 12 rows x two blocks (24 + 2 + 1 of 32 zmm), or in AVX2 6 rows x one block
 // (12 + 2 + 1 of 16 ymm; two blocks of 3 rows, whose W then came from memory at every
-// FMA, took 1.2-1.3x as long at 32-512 rows).
+// FMA, took 1.04-1.06x as long at 128-512 rows).
 #ifdef __AVX512F__
 typedef float vn __attribute__((vector_size(64)));
 constexpr int kMicroRows = 12;
