@@ -105,11 +105,17 @@ def test_layers_take_the_kernel_at_any_rows_unless_switched_off(monkeypatch):
     assert plain == [1, 600] and gated == [1, 600]
 
 
-def test_shapes_the_packing_cannot_take_keep_torchs_layout():
+def test_shapes_the_packing_cannot_take_keep_torchs_layout_or_stay_unfused():
     assert pack_weight(torch.randn(40, 64)) is None  # rows not in blocks of 16
-    assert pack_weight(torch.randn(48, 64), gated=True) is None  # halves of 24 rows
     with F32.within(False):
         assert pack_weight(torch.randn(64, 64)) is None
+    # Halves of 24 rows cannot interleave in blocks: the plain packing, SiLU x up after it.
+    odd = GatedLinear(64, 48, bias=False)
+    odd.prepack()
+    assert odd.packed.layout == "f32"
+    x = torch.randn(5, 64)
+    assert torch.equal(odd(x), silu_mul(linear(x, odd.weight, packed=odd.packed)))
+    torch.testing.assert_close(odd(x), silu_mul(F.linear(x, odd.weight)))
 
 
 def test_bad_operands_are_refused():

@@ -103,9 +103,9 @@ def _gate_up_alternating(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
-    if weight.shape[0] % (32 if gated else 16) or not F32.usable():
+    if weight.shape[0] % 16 or not F32.usable():
         return None
-    if gated:
+    if gated and weight.shape[0] % 32 == 0:  # else halves not in whole blocks: plain, unfused
         return PackedWeight(torch.ops.stallfree.f32_pack(_gate_up_alternating(weight)),
                             "f32_gated")
     return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32")
