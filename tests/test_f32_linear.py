@@ -76,7 +76,7 @@ def test_silu_mul_in_the_epilogue_equals_the_unfused_ops(tokens, half_blocks, co
     the sums are the same bits, and the two exponentials differ by an ulp or two. Large
     gates (scale 30) reach where e^-x overflows float32."""
     gen = torch.Generator().manual_seed(seed)
-    inter = 16 * half_blocks * 2
+    inter = 16 * half_blocks  # odd block counts per half too
     x = torch.randn(tokens, cols, generator=gen) * scale
     w = torch.randn(2 * inter, cols, generator=gen)
     packed = pack_weight(w, gated=True)
@@ -130,3 +130,9 @@ def test_bad_operands_are_refused():
         torch.ops.stallfree.f32_linear(torch.randn(2, 32).bfloat16(), packed, 16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.stallfree.f32_linear_silu_mul(torch.randn(2, 32), packed, 16)
+
+
+def test_an_empty_inner_dimension_gives_zeros_as_torch_does():
+    w = torch.randn(16, 0)
+    out = torch.ops.stallfree.f32_linear(torch.randn(3, 0), torch.ops.stallfree.f32_pack(w), 16)
+    assert torch.equal(out, F.linear(torch.randn(3, 0), w))

@@ -13,9 +13,9 @@ few-row bf16 matmuls (up to SKINNY_MAX_TOKENS) run in the skinny kernel, which w
 to fp32 vectors, and more rows go to oneDNN from weights reordered once into its blocked
 layout (`pack_weight`): F.linear on a plain bf16 weight reorders it on every call, which at
 8-128 rows costs a third of the time (docs/benchmarks.md: "Prepacked bf16 weights").
-float32 weights are packed for csrc/f32_linear.cpp, which runs every float32 matmul: on a
-2-core EPYC it took 0.37-0.5x F.linear's time at 1-8 rows and 0.74-0.85x at 512, in
-AVX-512 and AVX2 builds (docs/benchmarks.md: "float32 matmuls in a CPU kernel").
+float32 weights (rows in 16s) are packed for csrc/f32_linear.cpp, which runs their
+matmuls: on a 2-core EPYC it took 0.37-0.5x F.linear's time at 1-8 rows and 0.74-0.85x at
+512, in AVX-512 and AVX2 builds (docs/benchmarks.md: "float32 matmuls in a CPU kernel").
 Everything else goes to F.linear, the reference. STALLFREE_AMX_LINEAR=0 (the tile
 packing's kernel, tiles or vectors), STALLFREE_F32_LINEAR=0, STALLFREE_SKINNY_LINEAR=0 and
 STALLFREE_PACKED_LINEAR=0 turn each path off.

@@ -13,7 +13,7 @@
 // blocks two at a time; while the first row group passes over a pair, the next pair is
 // asked into L2, where the hardware prefetcher alone leaves such streams at about half the
 // bandwidth (the bf16 kernels' finding, pair_linear_vec.h). Rows of x are taken in chunks
-// that stay in L2 while a pair is reused from L1.
+// that stay in L2 beside the pair they pass over.
 //
 // The vectors are GCC vector types of the register width (one zmm, or one ymm in AVX2
 // builds): GCC 12 keeps 64-byte vector values in memory where the target has no 64-byte
@@ -53,10 +53,12 @@ constexpr int64_t kChunkBytes = 384 << 10;          // x rows held in L2 at once
 // s in every lane: vn{} + s costs an add (0 + -0 is +0), and GCC builds a lane-by-lane
 // splat loop one masked broadcast per lane.
 inline vn splat(float s) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
   return (vn)_mm512_set1_ps(s);
-#else
+#elif defined(__AVX__)
   return (vn)_mm256_set1_ps(s);
+#else
+  return vn{} + s;  // a CPU without AVX: correct, if slower
 #endif
 }
 
@@ -172,7 +174,7 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
               "f32_linear_silu_mul: n must be a multiple of 32, got ", n);
   const int64_t ld = gated ? n / 2 : n;
   at::Tensor out = at::empty({rows, ld}, x_in.options());
-  if (rows == 0) return out;
+  if (rows == 0 || k == 0) return out.zero_();  // K = 0: empty sums, as F.linear gives
   const at::Tensor x = x_in.contiguous();
   const float* xa = x.data_ptr<float>();
   const float* wa = packed.data_ptr<float>();
