@@ -4,7 +4,7 @@ hidden states and in every KV slot written.
 
 In bf16 the loop needs the weights packed for the tile kernel (AMX or AVX512_BF16); on a
 CPU without either those tests skip and say which flag is missing. In float32 it needs the
-kernels built (f32_linear.cpp), and runs decodes only: float32 prefill attention is torch's.
+kernels built (f32_linear.cpp, and paged_prefill_f32.h for the chunks).
 The reasons the loop gives for not running are tested everywhere.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ F32_MISSING = unavailable_reason()
 needs_f32_loop = pytest.mark.skipif(F32_MISSING is not None,
                                     reason=f"the float32 layer loop needs the kernels: "
                                            f"{F32_MISSING}")
-BLOCK_SIZE, NUM_BLOCKS = 16, 300  # more than the largest drawn batch's 274 blocks
+BLOCK_SIZE, NUM_BLOCKS = 16, 600  # more than the largest drawn batch's 561 blocks
 # Head size 64 (RoPE's kernel takes multiples of 32), GQA groups of 2, three layers.
 SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -96,12 +96,15 @@ def test_property_the_loop_equals_the_python_layers(model_dir, chunks, decodes, 
 
 @needs_f32_loop
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(decodes=st.lists(st.integers(1, 500), min_size=1, max_size=14),
-       seed=st.integers(0, 2**16))
-def test_property_the_float32_loop_equals_the_python_layers(model_dir, decodes, seed):
-    """float32 decodes (past the matmul kernel's 12-row micro-blocks): the same bits."""
+@given(chunks=st.lists(st.tuples(st.integers(0, 400), st.integers(2, 200)), max_size=3),
+       decodes=st.lists(st.integers(1, 500), max_size=14), seed=st.integers(0, 2**16))
+def test_property_the_float32_loop_equals_the_python_layers(model_dir, chunks, decodes, seed):
+    """float32 decodes (past the matmul kernel's 12-row micro-blocks), chunks, and both in
+    one batch: the same bits."""
+    if not chunks and not decodes:
+        decodes = [1]
     model, config = _load(model_dir, torch.float32)
-    seqs = _batch([], decodes, seed)
+    seqs = _batch(chunks, decodes, seed)
     hidden, kv = _forward(model, config, seqs, seed, True, torch.float32)
     ref_hidden, ref_kv = _forward(model, config, seqs, seed, False, torch.float32)
     assert torch.equal(hidden, ref_hidden)

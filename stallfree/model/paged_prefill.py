@@ -2,11 +2,13 @@
 can use it.
 
 Every prefill chunk of a batch in one call, reading its context in place through its block
-table and skipping the keys its causal mask hides; its products run in AMX tiles where the
-CPU has AMX, else in AVX512_BF16 vectors. It needs a bfloat16 cache, AVX512_BF16 and
-head_dim % 32 == 0 with block_size % 16 == 0; elsewhere attention.py runs the chunks in
-SDPA, which stays the reference. STALLFREE_PAGED_PREFILL=0 turns it off;
-STALLFREE_AMX_ATTENTION=0 keeps its vector path on an AMX CPU.
+table and skipping the keys its causal mask hides. Over a bfloat16 cache its products run in
+AMX tiles where the CPU has AMX, else in AVX512_BF16 vectors (which it then needs); over a
+float32 cache, in float vectors of the build's width, on any CPU the kernels build for. It
+needs head_dim % 32 == 0 and block_size % 16 == 0; elsewhere (other dtypes and shapes, or
+no kernels) attention.py runs the chunks in SDPA, which stays the reference.
+STALLFREE_PAGED_PREFILL=0 turns it off; STALLFREE_AMX_ATTENTION=0 keeps its vector path on
+an AMX CPU.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from . import kernels
 from .kernels import KernelSwitch, bf16_vectors_unavailable_reason
 from .paged_decode import TILES
 
@@ -28,13 +31,22 @@ def kernel_enabled(enabled: bool) -> AbstractContextManager[None]:
 def usable(kv_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this layer's cache [2, blocks, block_size, Hkv, D] run in
     the kernel."""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.bfloat16
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
             and kv_cache.shape[-1] % 32 == 0 and kv_cache.shape[2] % 16 == 0
-            and SWITCH.usable() and unavailable_reason() is None)
+            and SWITCH.usable() and unavailable_reason(kv_cache.dtype) is None)
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot run on this CPU (None: it can); shapes and dtype aside."""
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the kernel cannot run over a cache of `dtype` on this CPU (None: it can); shapes
+    aside."""
+    if dtype not in DTYPES:
+        return f"no path for a {dtype} cache"
+    if dtype == torch.float32:
+        reason = kernels.unavailable_reason()
+        return None if reason is None else f"kernels not built: {reason}"
     return bf16_vectors_unavailable_reason()
 
 
@@ -43,7 +55,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   scale: float, tiles: bool | None = None) -> torch.Tensor:
     """Chunk i's query_lens[i] rows of q [T, Hq, D] (in chunk order) against its first
     context_lens[i] keys through block_tables[i] [chunks, max_blocks] (int64), causally: its
-    queries are the last query_lens[i] of those positions. Returns [T, Hq, D] bf16.
+    queries are the last query_lens[i] of those positions; q and the cache share a dtype
+    (bfloat16 or float32). Returns [T, Hq, D] in that dtype.
     `tiles`: the products in AMX tiles where the CPU has them (default: the switch)."""
     return torch.ops.stallfree.paged_prefill(q, kv_cache, block_tables, query_lens,
                                              context_lens, scale,

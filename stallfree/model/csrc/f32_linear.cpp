@@ -15,12 +15,10 @@
 // bandwidth (the bf16 kernels' finding, pair_linear_vec.h). Rows of x are taken in chunks
 // that stay in L2 beside the pair they pass over.
 //
-// The vectors are GCC vector types of the register width (one zmm, or one ymm in AVX2
-// builds): GCC 12 keeps 64-byte vector values in memory where the target has no 64-byte
-// registers (paged_decode_halves.h), so no 16-lane `vf` is used in the inner loop.
+// The inner loop's vectors are native_vec.h's, of the register width (one zmm, or one ymm
+// in AVX2 builds), not vec.h's 16-lane `vf`, which GCC 12 keeps in memory in AVX2 builds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,6 +26,7 @@
 #include <cstring>
 
 #include "column_pairs.h"
+#include "native_vec.h"
 #include "vec.h"
 
 namespace {
@@ -37,30 +36,15 @@ namespace {
 // (12 + 2 + 1 of 16 ymm; two blocks of 3 rows, whose W then came from memory at every
 // FMA, took 1.04-1.06x as long at 128-512 rows).
 #ifdef __AVX512F__
-typedef float vn __attribute__((vector_size(64)));
 constexpr int kMicroRows = 12;
 constexpr bool kBlockPairs = true;
 #else
-typedef float vn __attribute__((vector_size(32)));
 constexpr int kMicroRows = 6;
 constexpr bool kBlockPairs = false;
 #endif
-constexpr int kBlock = 16;                          // columns per packed block
-constexpr int kWidth = sizeof(vn) / sizeof(float);  // lanes per register
-constexpr int kParts = kBlock / kWidth;             // registers per block row
-constexpr int64_t kChunkBytes = 384 << 10;          // x rows held in L2 at once
-
-// s in every lane: vn{} + s costs an add (0 + -0 is +0), and GCC builds a lane-by-lane
-// splat loop one masked broadcast per lane.
-inline vn splat(float s) {
-#if defined(__AVX512F__)
-  return (vn)_mm512_set1_ps(s);
-#elif defined(__AVX__)
-  return (vn)_mm256_set1_ps(s);
-#else
-  return vn{} + s;  // a CPU without AVX: correct, if slower
-#endif
-}
+constexpr int kBlock = 16;                  // columns per packed block
+constexpr int kParts = kBlock / kWidth;     // registers per block row
+constexpr int64_t kChunkBytes = 384 << 10;  // x rows held in L2 at once
 
 // M rows of x (row stride lda) against column blocks w0 and, if Two, w1 (k_dim vectors of
 // 16 each); sums to acc [M][32]. `next`, where not null: two blocks to ask L2 for, two

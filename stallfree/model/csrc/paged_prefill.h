@@ -1,4 +1,4 @@
-// Prefill attention over the paged KV cache (CPU, bfloat16 cache): what its two paths share.
+// Prefill attention over the paged KV cache (CPU): what its paths share, and the bf16 one.
 //
 // A prefill chunk's queries attend causally to everything cached before them and to
 // themselves. The torch path gathers the chunk's context into a dense buffer and runs SDPA
@@ -12,10 +12,11 @@
 //   out^T [dims x 16 queries] += V^T . P^T: V^T comes from a per-call copy of the chunk's
 //     values in pair-interleaved order (made once per chunk and KV head and shared by every
 //     item of its GQA group), P^T from pairs of score rows.
-// The two products run in AMX tiles (paged_prefill_tiles.h) or, on CPUs with AVX512_BF16
-// but no AMX, in vector dot products of bf16 pairs (paged_prefill_vec.h); both take the
-// same packed operands. Accumulation is fp32; P is rounded to bf16 for its product, as
-// torch's CPU flash attention does.
+// For a bfloat16 cache the two products run in AMX tiles (paged_prefill_tiles.h) or, on CPUs
+// with AVX512_BF16 but no AMX, in vector dot products of bf16 pairs (paged_prefill_vec.h);
+// both take the same packed operands. Accumulation is fp32; P is rounded to bf16 for its
+// product, as torch's CPU flash attention does. A float32 cache takes paged_prefill_f32.h,
+// with items and steps of its own sizes.
 #pragma once
 
 #include <algorithm>
@@ -34,6 +35,12 @@ struct Chunk {
   int64_t first_row, query_len, context_len;
   const int64_t* table;
   int64_t values;  // offset of its per-KV-head V^T copies in the scratch buffer
+};
+
+// One work item: query positions [tile * queries-per-item, ...) of chunk `chunk`, query head
+// `head`, and the steps of keys its queries see.
+struct Item {
+  int64_t chunk, head, tile, steps;
 };
 
 struct Layout {
@@ -79,10 +86,6 @@ inline void copy_values(const Layout& l, const Chunk& c, const uint16_t* v_cache
 #if defined(__AVX512BF16__)
 #define PREFILL_KERNEL 1
 #include <immintrin.h>
-
-struct Item {
-  int64_t chunk, head, tile, steps;
-};
 
 // Per-thread buffers of one item.
 struct Scratch {

@@ -1,0 +1,156 @@
+// Prefill attention over a float32 cache (see paged_prefill.h), the float32 engine's: CPUs
+// without fast bf16, where torch's SDPA took ~40% of a float32 prefill at 512-token chunks
+// (docs/benchmarks.md). An item is one register's worth of query positions of one query
+// head (16, or 8 in AVX2 builds), its keys taken in steps of as many. With the queries in
+// the lanes, both products are rank-1 updates against one value broadcast from memory, so
+// neither needs a horizontal sum nor K or V reordered:
+//   scores^T[t] = sum_d K[t][d] * Q^T[d]   (K rows read in place from the cache; Q^T packed
+//                                           once per item, already in log2 units)
+//   out^T[d]   += V[t][d] * P^T[t]         (V rows read in place; out^T in the scratch, a
+//                                           register's worth of dims at a time)
+// The softmax is online, as in the bf16 paths (paged_prefill.h): its max moves only by more
+// than kSlack, and masked keys weigh exactly 0.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "native_vec.h"
+#include "paged_prefill.h"
+
+namespace {
+
+constexpr int64_t kF32Queries = kWidth;  // query positions per item: the lanes
+constexpr int64_t kF32Keys = kWidth;     // keys per step: one score register each
+constexpr float kF32Masked = -1e30f;     // a masked score, finite: no NaN on its way to 0
+constexpr float kF32Slack = 8.f;         // log2 units the max may trail a score by
+
+// 2^y per lane for y <= 0, exactly 0 below -126: a degree-5 polynomial for 2^f, |f| <= 1/2
+// (relative error ~2.4e-6), times 2^n built in the exponent bits.
+inline vn exp2_f32(vn y) {
+  const vni hidden = y < splat(-126.f);
+  y = hidden ? splat(-126.f) : y;
+  const vn magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vn n = (y + magic) - magic;
+  const vn f = y - n;
+  vn p = splat(1.3333558e-3f);
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const vn scale = reinterpret_cast<vn>((__builtin_convertvector(n, vni) + 127) << 23);
+  return hidden ? vn{} : p * scale;
+}
+
+struct F32Scratch {
+  explicit F32Scratch(int64_t dim) : qt(dim * kF32Queries), out(dim * kF32Queries) {}
+  std::vector<float> qt;   // Q^T [dim][queries], times scale * log2(e)
+  std::vector<float> out;  // out^T [dim][queries], unnormalised
+  alignas(64) float weights[kF32Keys * kF32Queries];  // P^T [key][queries]
+};
+
+inline vn load_vn(const float* p) {
+  vn v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
+
+// One step's scores^T: kF32Keys K rows from k (row_len apart) against every query.
+inline void step_scores(const float* k, int64_t row_len, const F32Scratch& s, int64_t dim,
+                        vn* scores) {
+  for (int64_t t = 0; t < kF32Keys; ++t) scores[t] = vn{};
+  for (int64_t d = 0; d < dim; ++d) {
+    const vn qd = load_vn(s.qt.data() + d * kF32Queries);
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < kF32Keys; ++t) scores[t] += splat(k[t * row_len + d]) * qd;
+  }
+}
+
+// out^T += V^T . P^T over the step's first `keys` keys (V rows from v, row_len apart).
+inline void step_values(const float* v, int64_t row_len, int64_t keys, int64_t dim,
+                        F32Scratch& s) {
+  for (int64_t d0 = 0; d0 < dim; d0 += kWidth) {
+    vn acc[kWidth];
+    for (int64_t r = 0; r < kWidth; ++r) acc[r] = load_vn(s.out.data() + (d0 + r) * kF32Queries);
+    for (int64_t t = 0; t < keys; ++t) {
+      const vn p = load_vn(s.weights + t * kF32Queries);
+      const float* row = v + t * row_len + d0;
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kWidth; ++r) acc[r] += splat(row[r]) * p;
+    }
+    for (int64_t r = 0; r < kWidth; ++r) store_vn(s.out.data() + (d0 + r) * kF32Queries, acc[r]);
+  }
+}
+
+// One item's attention into out [rows, heads, dim]. Keys past the context are read only for
+// scores that are then masked (a step's rows lie in one block: block_size % kF32Keys == 0),
+// and never as values, so whatever the slots past it hold cannot reach the output.
+void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const float* q,
+                     const float* k_cache, const float* v_cache, float scale, float* out,
+                     F32Scratch& s) {
+  const int64_t D = l.dim, row_len = l.row_len();
+  const int64_t kv = it.head / (l.heads / l.kv_heads);
+  const int64_t q0 = it.tile * kF32Queries;
+  const int64_t nq = std::min(kF32Queries, c.query_len - q0);
+  const int64_t pos0 = c.context_len - c.query_len + q0;  // the first query's position
+  const int64_t limit = pos0 + nq;                        // keys any of them sees
+  const float to_log2 = scale * 1.44269504f;
+  std::fill(s.qt.begin(), s.qt.end(), 0.f);
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* row = q + (c.first_row + q0 + i) * l.q_row + it.head * l.q_head;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * kF32Queries + i] = row[d] * to_log2;
+  }
+  std::fill(s.out.begin(), s.out.end(), 0.f);
+  vn lane;
+  for (int i = 0; i < kWidth; ++i) lane[i] = static_cast<float>(i);
+  vn max = splat(kF32Masked), sum = vn{};
+  for (int64_t step = 0; step < it.steps; ++step) {
+    const int64_t t0 = step * kF32Keys;
+    const int64_t offset = token_row(l, c, t0) + kv * D;
+    vn scores[kF32Keys];
+    step_scores(k_cache + offset, row_len, s, D, scores);
+    // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i, and
+    // from every lane past the last query.
+    if (t0 + kF32Keys - 1 > pos0)
+      for (int64_t t = 0; t < kF32Keys; ++t) {
+        const int64_t key = t0 + t;
+        const float hidden_below = key >= limit ? kF32Queries : std::max<int64_t>(0, key - pos0);
+        scores[t] = lane < splat(hidden_below) ? splat(kF32Masked) : scores[t];
+      }
+    vn step_max = scores[0];
+    for (int64_t t = 1; t < kF32Keys; ++t)
+      step_max = scores[t] > step_max ? scores[t] : step_max;
+    const vni moved = step_max > max + kF32Slack;
+    bool any = false;
+    for (int i = 0; i < kWidth; ++i) any |= moved[i] != 0;
+    if (any) {  // rescale what was accumulated under the old max
+      const vn new_max = moved ? step_max : max;
+      const vn alpha = exp2_f32(max - new_max);
+      sum *= alpha;
+      max = new_max;
+      for (int64_t d = 0; d < D; ++d) {
+        float* o = s.out.data() + d * kF32Queries;
+        store_vn(o, load_vn(o) * alpha);
+      }
+    }
+    for (int64_t t = 0; t < kF32Keys; ++t) {
+      const vn p = exp2_f32(scores[t] - max);
+      sum += p;
+      store_vn(s.weights + t * kF32Queries, p);
+    }
+    step_values(v_cache + offset, row_len, std::min(kF32Keys, limit - t0), D, s);
+  }
+  alignas(64) float inv[kWidth];
+  store_vn(inv, 1.f / sum);
+  for (int64_t i = 0; i < nq; ++i) {
+    float* o = out + ((c.first_row + q0 + i) * l.heads + it.head) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = s.out[d * kF32Queries + i] * inv[i];
+  }
+}
+
+}  // namespace
