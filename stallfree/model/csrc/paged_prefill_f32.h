@@ -1,7 +1,7 @@
 // Prefill attention over a float32 cache (see paged_prefill.h), the float32 engine's: CPUs
 // without fast bf16, where torch's SDPA took ~40% of a float32 prefill at 512-token chunks
 // (docs/benchmarks.md). An item is one register's worth of query positions of one query
-// head (16, or 8 in AVX2 builds), its keys taken in steps of as many. With the queries in
+// head (16, or 8 in AVX2 builds), its keys taken in steps of 16. With the queries in
 // the lanes, both products are rank-1 updates against one value broadcast from memory, so
 // neither needs a horizontal sum nor K or V reordered:
 //   scores^T[t] = sum_d K[t][d] * Q^T[d]   (K rows read in place from the cache; Q^T packed
@@ -23,7 +23,10 @@
 namespace {
 
 constexpr int64_t kF32Queries = kWidth;  // query positions per item: the lanes
-constexpr int64_t kF32Keys = kWidth;     // keys per step: one score register each
+// Keys per step, their scores summed a register's worth of keys per pass over the dims (one
+// accumulator each). 16 in AVX2 builds too: a step's softmax and its pass over out^T then
+// cover twice the keys that 8 would.
+constexpr int64_t kF32Keys = 16;
 constexpr float kF32Masked = -1e30f;     // a masked score, finite: no NaN on its way to 0
 constexpr float kF32Slack = 8.f;         // log2 units the max may trail a score by
 
@@ -60,15 +63,17 @@ inline vn load_vn(const float* p) {
 
 inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 
-// One step's scores^T: kF32Keys K rows from k (row_len apart) against every query.
-inline void step_scores(const float* k, int64_t row_len, const F32Scratch& s, int64_t dim,
+// kWidth keys' scores^T: their K rows from k (row_len apart) against every query.
+inline void pass_scores(const float* k, int64_t row_len, const F32Scratch& s, int64_t dim,
                         vn* scores) {
-  for (int64_t t = 0; t < kF32Keys; ++t) scores[t] = vn{};
+  vn acc[kWidth];
+  for (int64_t t = 0; t < kWidth; ++t) acc[t] = vn{};
   for (int64_t d = 0; d < dim; ++d) {
     const vn qd = load_vn(s.qt.data() + d * kF32Queries);
 #pragma GCC unroll 16
-    for (int64_t t = 0; t < kF32Keys; ++t) scores[t] += splat(k[t * row_len + d]) * qd;
+    for (int64_t t = 0; t < kWidth; ++t) acc[t] += splat(k[t * row_len + d]) * qd;
   }
+  for (int64_t t = 0; t < kWidth; ++t) scores[t] = acc[t];
 }
 
 // out^T += V^T . P^T over the step's first `keys` keys (V rows from v, row_len apart).
@@ -88,7 +93,7 @@ inline void step_values(const float* v, int64_t row_len, int64_t keys, int64_t d
 }
 
 // One item's attention into out [rows, heads, dim]. Keys past the context are read only for
-// scores that are then masked (a step's rows lie in one block: block_size % kF32Keys == 0),
+// scores that are then masked (a step's rows lie in one block: block_size % 16 == 0),
 // and never as values, so whatever the slots past it hold cannot reach the output.
 void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const float* q,
                      const float* k_cache, const float* v_cache, float scale, float* out,
@@ -113,7 +118,8 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
     const int64_t t0 = step * kF32Keys;
     const int64_t offset = token_row(l, c, t0) + kv * D;
     vn scores[kF32Keys];
-    step_scores(k_cache + offset, row_len, s, D, scores);
+    for (int64_t t = 0; t < kF32Keys; t += kWidth)
+      pass_scores(k_cache + offset + t * row_len, row_len, s, D, scores + t);
     // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i, and
     // from every lane past the last query.
     if (t0 + kF32Keys - 1 > pos0)
