@@ -4,10 +4,10 @@ The KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]
 token `p` of a request lives in slot `block_table[p // block_size] * block_size +
 p % block_size` of the flattened [num_blocks * block_size] view.
 
-On CPU, decodes run in the C++ kernel of paged_decode.py and, with a bfloat16 cache on a
-CPU with AVX512_BF16, prefill chunks in that of paged_prefill.py, both reading the cache in
-place;
-elsewhere, or without the kernels, they gather their blocks and run SDPA (the reference).
+On CPU, decodes run in the C++ kernel of paged_decode.py and prefill chunks in that of
+paged_prefill.py (a float32 cache, or a bfloat16 one on a CPU with AVX512_BF16), both reading
+the cache in place; elsewhere, or without the kernels, they gather their blocks and run SDPA
+(the reference).
 """
 from __future__ import annotations
 
