@@ -23,10 +23,13 @@
 namespace {
 
 constexpr int64_t kF32Queries = kWidth;  // query positions per item: the lanes
-// Keys per step, their scores summed a register's worth of keys per pass over the dims (one
-// accumulator each). 16 in AVX2 builds too: a step's softmax and its pass over out^T then
-// cover twice the keys that 8 would.
+// Keys per step: 16 in AVX2 builds too, where a step's softmax and its pass over out^T then
+// cover twice the keys that 8 would. Their scores are summed 8 keys per pass over the dims,
+// one accumulator each: the 8 row pointers fit the general registers, where with 16 the
+// AVX-512 build parked them in vector registers and moved one out before each FMA (the
+// passes of 8 took ~0.9x the time per layer).
 constexpr int64_t kF32Keys = 16;
+constexpr int64_t kPassKeys = 8;
 constexpr float kF32Masked = -1e30f;     // a masked score, finite: no NaN on its way to 0
 constexpr float kF32Slack = 8.f;         // log2 units the max may trail a score by
 
@@ -63,17 +66,17 @@ inline vn load_vn(const float* p) {
 
 inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 
-// kWidth keys' scores^T: their K rows from k (row_len apart) against every query.
+// kPassKeys keys' scores^T: their K rows from k (row_len apart) against every query.
 inline void pass_scores(const float* k, int64_t row_len, const F32Scratch& s, int64_t dim,
                         vn* scores) {
-  vn acc[kWidth];
-  for (int64_t t = 0; t < kWidth; ++t) acc[t] = vn{};
+  vn acc[kPassKeys];
+  for (int64_t t = 0; t < kPassKeys; ++t) acc[t] = vn{};
   for (int64_t d = 0; d < dim; ++d) {
     const vn qd = load_vn(s.qt.data() + d * kF32Queries);
 #pragma GCC unroll 16
-    for (int64_t t = 0; t < kWidth; ++t) acc[t] += splat(k[t * row_len + d]) * qd;
+    for (int64_t t = 0; t < kPassKeys; ++t) acc[t] += splat(k[t * row_len + d]) * qd;
   }
-  for (int64_t t = 0; t < kWidth; ++t) scores[t] = acc[t];
+  for (int64_t t = 0; t < kPassKeys; ++t) scores[t] = acc[t];
 }
 
 // out^T += V^T . P^T over the step's first `keys` keys (V rows from v, row_len apart).
@@ -118,7 +121,7 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
     const int64_t t0 = step * kF32Keys;
     const int64_t offset = token_row(l, c, t0) + kv * D;
     vn scores[kF32Keys];
-    for (int64_t t = 0; t < kF32Keys; t += kWidth)
+    for (int64_t t = 0; t < kF32Keys; t += kPassKeys)
       pass_scores(k_cache + offset + t * row_len, row_len, s, D, scores + t);
     // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i, and
     // from every lane past the last query.
