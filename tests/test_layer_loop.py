@@ -32,7 +32,7 @@ F32_MISSING = unavailable_reason()
 needs_f32_loop = pytest.mark.skipif(F32_MISSING is not None,
                                     reason=f"the float32 layer loop needs the kernels: "
                                            f"{F32_MISSING}")
-BLOCK_SIZE, NUM_BLOCKS = 16, 600  # more than the largest drawn batch's 561 blocks
+BLOCK_SIZE, NUM_BLOCKS = 16, 600  # more than the largest drawn batch's 562 blocks
 # Head size 64 (RoPE's kernel takes multiples of 32), GQA groups of 2, three layers.
 SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -57,6 +57,7 @@ def _check_draw(dtype, shapes, decodes, heads, block_size, seed, truth_tol, refe
     wider math and `reference_tol` of the reference path in the cache's dtype."""
     batch = Batch(heads, dtype, block_size=block_size,
                   num_blocks=7 * 1300 // block_size + 7, seed=seed)
+    assert paged_prefill.usable(batch.cache), "the draw would compare the reference with itself"
     seqs = _chunks(batch, shapes) + batch.decodes(decodes)
     qkv = batch.qkv(sum(n for _, n, _ in seqs))
     out = batch.attend(seqs, True, qkv)
@@ -115,14 +116,17 @@ def test_a_chunk_sees_its_prefix_and_only_its_past(dtype, tolerance):
 
 
 @pytest.mark.parametrize("dtype,tolerance", DTYPES)
-def test_nan_past_the_context_does_not_reach_the_output(dtype, tolerance):
-    """Slots past a context may hold anything a block's previous owner left, NaN included:
-    neither their keys nor their values may enter the output."""
-    batch = Batch((9, 3, 64), dtype, num_blocks=64)
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_junk_past_the_context_does_not_reach_the_output(dtype, tolerance, junk, block_size):
+    """Slots past a context may hold anything a block's previous owner left, NaN and
+    infinities included: neither their keys nor their values may enter the output. In
+    32-token blocks the junk can fill a whole 16-token half of a block past a context."""
+    batch = Batch((9, 3, 64), dtype, block_size=block_size, num_blocks=64)
     seqs = _chunks(batch, [(0, 37), (20, 5), (33, 30)])
     for cached, new, table in seqs:
         end = cached + new
-        batch.cache[:, table[-1], end % 16 or 16:] = float("nan")
+        batch.cache[:, table[-1], end % block_size or block_size:] = junk
     qkv = batch.qkv(72)
     out = batch.attend(seqs, True, qkv)
     assert torch.isfinite(out).all()

@@ -1,6 +1,6 @@
 // float vectors of the build's register width (one zmm, or one ymm in AVX2 builds), for the
-// float32 kernels' inner loops (f32_linear.cpp, paged_prefill_f32.h). GCC 12 keeps vec.h's
-// 64-byte `vf` values in memory where the target has no 64-byte registers
+// float32 kernels' inner loops (f32_linear.cpp, paged_prefill_f32.h, argmax_rows.cpp). GCC 12
+// keeps vec.h's 64-byte `vf` values in memory where the target has no 64-byte registers
 // (paged_decode_halves.h), so loops that must stay in registers on AVX2 use these instead.
 #pragma once
 

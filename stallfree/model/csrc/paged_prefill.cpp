@@ -29,7 +29,8 @@ std::vector<Item> make_items(const std::vector<Chunk>& chunks, const Layout& l, 
   for (int64_t i = 0; i < static_cast<int64_t>(chunks.size()); ++i) {
     const Chunk& c = chunks[i];
     for (int64_t tile = 0; tile * queries < c.query_len; ++tile) {
-      const int64_t seen = c.context_len - c.query_len + std::min(c.query_len, (tile + 1) * queries);
+      const int64_t seen =  // keys its last query sees
+          c.context_len - c.query_len + std::min(c.query_len, (tile + 1) * queries);
       for (int64_t h = 0; h < l.heads; ++h) items.push_back({i, h, tile, (seen + keys - 1) / keys});
     }
   }

@@ -96,8 +96,9 @@ struct Scratch {
   alignas(64) uint32_t weights[kKeys / 2 * kQueries];  // P^T in pairs: [16 key pairs][16]
 };
 
-// 2^y for finite y <= 0 (down to -1e29, which gives 0): y = n + f, |f| <= 1/2, a degree-5
-// polynomial for 2^f (relative error ~2.4e-6, far below bf16's) and scalef for 2^n.
+// 2^y for finite y <= kSlack (a weight may exceed the max by that much; down to -1e29, which
+// gives 0): y = n + f, |f| <= 1/2, a degree-5 polynomial for 2^f (relative error ~2.4e-6,
+// far below bf16's) and scalef for 2^n.
 inline __m512 exp2_nonpositive(__m512 y) {
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);

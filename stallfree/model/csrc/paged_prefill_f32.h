@@ -9,7 +9,7 @@
 //   out^T[d]   += V[t][d] * P^T[t]         (V rows read in place; out^T in the scratch, a
 //                                           register's worth of dims at a time)
 // The softmax is online, as in the bf16 paths (paged_prefill.h): its max moves only by more
-// than kSlack, and masked keys weigh exactly 0.
+// than kF32Slack, and masked keys weigh exactly 0.
 #pragma once
 
 #include <algorithm>
@@ -33,15 +33,18 @@ constexpr int64_t kPassKeys = 8;
 constexpr float kF32Masked = -1e30f;     // a masked score, finite: no NaN on its way to 0
 constexpr float kF32Slack = 8.f;         // log2 units the max may trail a score by
 
-// 2^y per lane for y <= 0, exactly 0 below -126: a degree-5 polynomial for 2^f, |f| <= 1/2
-// (relative error ~2.4e-6), times 2^n built in the exponent bits.
+// 2^y per lane for y <= kF32Slack (a weight may exceed the max by that much), exactly 0
+// below -126: the degree-6 Taylor polynomial of 2^f, |f| <= 1/2 (relative error ~1.2e-7,
+// where degree 5 gave 2.4e-6, some twenty float32 roundings), times 2^n built in the
+// exponent bits.
 inline vn exp2_f32(vn y) {
   const vni hidden = y < splat(-126.f);
   y = hidden ? splat(-126.f) : y;
   const vn magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vn n = (y + magic) - magic;
   const vn f = y - n;
-  vn p = splat(1.3333558e-3f);
+  vn p = splat(1.5403530e-4f);
+  p = p * f + 1.3333558e-3f;
   p = p * f + 9.6181291e-3f;
   p = p * f + 5.5504109e-2f;
   p = p * f + 2.4022651e-1f;
@@ -123,8 +126,8 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
     vn scores[kF32Keys];
     for (int64_t t = 0; t < kF32Keys; t += kPassKeys)
       pass_scores(k_cache + offset + t * row_len, row_len, s, D, scores + t);
-    // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i, and
-    // from every lane past the last query.
+    // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i; keys
+    // past the last query's position are hidden from every lane.
     if (t0 + kF32Keys - 1 > pos0)
       for (int64_t t = 0; t < kF32Keys; ++t) {
         const int64_t key = t0 + t;
