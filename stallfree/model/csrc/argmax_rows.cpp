@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 #include "native_vec.h"
@@ -26,8 +25,7 @@ int64_t row_argmax(const float* x, int64_t n) {
   vni nan = vni{};
   const int64_t whole = n / kWidth * kWidth;
   for (int64_t i = 0; i < whole; i += kWidth) {
-    vn v;
-    std::memcpy(&v, x + i, sizeof v);
+    const vn v = load_vn(x + i);
     const vni above = v > best;  // strictly: a lane keeps the first of equal values
     best = above ? v : best;
     where = above ? lane + static_cast<int32_t>(i) : where;

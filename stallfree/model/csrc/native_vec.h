@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -30,5 +31,14 @@ inline vn splat(float s) {
   return vn{} + s;  // a CPU without AVX: correct, if slower
 #endif
 }
+
+// kWidth floats from / to an unaligned address.
+inline vn load_vn(const float* p) {
+  vn v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 
 }  // namespace

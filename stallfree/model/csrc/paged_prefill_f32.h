@@ -5,7 +5,7 @@
 // the lanes, both products are rank-1 updates against one value broadcast from memory, so
 // neither needs a horizontal sum nor K or V reordered:
 //   scores^T[t] = sum_d K[t][d] * Q^T[d]   (K rows read in place from the cache; Q^T packed
-//                                           once per item, already in log2 units)
+//                                           once per item, already scaled)
 //   out^T[d]   += V[t][d] * P^T[t]         (V rows read in place; out^T in the scratch, a
 //                                           register's worth of dims at a time)
 // The softmax is online, as in the bf16 paths (paged_prefill.h): its max moves only by more
@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "native_vec.h"
@@ -31,43 +30,18 @@ constexpr int64_t kF32Queries = kWidth;  // query positions per item: the lanes
 constexpr int64_t kF32Keys = 16;
 constexpr int64_t kPassKeys = 8;
 constexpr float kF32Masked = -1e30f;     // a masked score, finite: no NaN on its way to 0
-constexpr float kF32Slack = 8.f;         // log2 units the max may trail a score by
+constexpr float kF32Slack = 5.f;         // how far a score may pass the max (e^5 ~ 148)
 
-// 2^y per lane for y <= kF32Slack (a weight may exceed the max by that much), exactly 0
-// below -126: the degree-6 Taylor polynomial of 2^f, |f| <= 1/2 (relative error ~1.2e-7,
-// where degree 5 gave 2.4e-6, some twenty float32 roundings), times 2^n built in the
-// exponent bits.
-inline vn exp2_f32(vn y) {
-  const vni hidden = y < splat(-126.f);
-  y = hidden ? splat(-126.f) : y;
-  const vn magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vn n = (y + magic) - magic;
-  const vn f = y - n;
-  vn p = splat(1.5403530e-4f);
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const vn scale = reinterpret_cast<vn>((__builtin_convertvector(n, vni) + 127) << 23);
-  return hidden ? vn{} : p * scale;
-}
+// e^x per lane (vec.h), exactly 0 where x is below its clamp (masked keys, a first step's
+// rescale from the initial max).
+inline vn exp_or_zero(vn x) { return x < splat(-87.f) ? vn{} : exp_nonpositive(x); }
 
 struct F32Scratch {
   explicit F32Scratch(int64_t dim) : qt(dim * kF32Queries), out(dim * kF32Queries) {}
-  std::vector<float> qt;   // Q^T [dim][queries], times scale * log2(e)
+  std::vector<float> qt;   // Q^T [dim][queries], times the softmax scale
   std::vector<float> out;  // out^T [dim][queries], unnormalised
   alignas(64) float weights[kF32Keys * kF32Queries];  // P^T [key][queries]
 };
-
-inline vn load_vn(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 
 // kPassKeys keys' scores^T: their K rows from k (row_len apart) against every query.
 inline void pass_scores(const float* k, int64_t row_len, const F32Scratch& s, int64_t dim,
@@ -110,11 +84,10 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
   const int64_t nq = std::min(kF32Queries, c.query_len - q0);
   const int64_t pos0 = c.context_len - c.query_len + q0;  // the first query's position
   const int64_t limit = pos0 + nq;                        // keys any of them sees
-  const float to_log2 = scale * 1.44269504f;
   std::fill(s.qt.begin(), s.qt.end(), 0.f);
   for (int64_t i = 0; i < nq; ++i) {
     const float* row = q + (c.first_row + q0 + i) * l.q_row + it.head * l.q_head;
-    for (int64_t d = 0; d < D; ++d) s.qt[d * kF32Queries + i] = row[d] * to_log2;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * kF32Queries + i] = row[d] * scale;
   }
   std::fill(s.out.begin(), s.out.end(), 0.f);
   vn lane;
@@ -142,7 +115,7 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
     for (int i = 0; i < kWidth; ++i) any |= moved[i] != 0;
     if (any) {  // rescale what was accumulated under the old max
       const vn new_max = moved ? step_max : max;
-      const vn alpha = exp2_f32(max - new_max);
+      const vn alpha = exp_or_zero(max - new_max);
       sum *= alpha;
       max = new_max;
       for (int64_t d = 0; d < D; ++d) {
@@ -151,7 +124,7 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
       }
     }
     for (int64_t t = 0; t < kF32Keys; ++t) {
-      const vn p = exp2_f32(scores[t] - max);
+      const vn p = exp_or_zero(scores[t] - max);
       sum += p;
       store_vn(s.weights + t * kF32Queries, p);
     }

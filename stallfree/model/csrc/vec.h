@@ -125,20 +125,24 @@ inline void transpose16(vf* a) {
   }
 }
 
-// e^x for x <= 0 in every lane (Cephes' expf polynomial, ~1 ulp).
-inline vf exp_nonpositive(vf x) {
-  const vf lo = vf{} - 87.0f, magic = vf{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers
+// e^x for x <= 0 in every lane (Cephes' expf polynomial, ~1 ulp; x is clamped below at -87,
+// not above, so small positive x are exact too). V: vf, or any float vector type
+// (native_vec.h's register-width vn).
+template <typename V>
+inline V exp_nonpositive(V x) {
+  using VI = decltype(x < x);  // the int vector of V's width
+  const V lo = V{} - 87.0f, magic = V{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers
   x = x < lo ? lo : x;
-  const vf n = (x * 1.44269504088896341f + magic) - magic;
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
+  return p * reinterpret_cast<V>((__builtin_convertvector(n, VI) + 127) << 23);
 }
 
 // x * sigmoid(x), with e^-|x| so the exponential never overflows, and one division.
