@@ -33,8 +33,9 @@ SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
             "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
             "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH,
             "layer_loop": layer_loop.SWITCH, "f32_linear": linear.F32}
-# Switches read when the weights are packed, at load: the model is repacked at each switch.
-REPACK = {"amx_linear", "packed_linear"}
+# Switches read when the weights are packed, at load: the model is repacked at each switch
+# (which also gives the torch path of f32_linear its plain weights back: linear.repack).
+REPACK = {"amx_linear", "packed_linear", "f32_linear"}
 PREFILL = {"paged_prefill"}  # compared on prefill chunks
 DECODE_ROUNDS = 3
 
@@ -150,9 +151,9 @@ def main() -> None:
         return
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())
-    params_non_embedding = sum(p.numel() for n, p in engine.executor.model.named_parameters()
-                               if "embed" not in n)
+    numels = engine.executor.model.weight_numels()
+    weight_bytes = sum(numels.values()) * dtype.itemsize
+    params_non_embedding = sum(n for name, n in numels.items() if "embed" not in name)
     bandwidth = memory_floor_gbps(device)
     matmul = matmul_floor_gflops(device, dtype)
     decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000

@@ -91,17 +91,19 @@ def test_layers_take_the_kernel_at_any_rows_unless_switched_off(monkeypatch):
     plain = _rows_of_calls(monkeypatch, "f32_linear")
     gated = _rows_of_calls(monkeypatch, "f32_linear_silu_mul")
     layer, mlp = Linear(64, 48, bias=True), GatedLinear(64, 2 * 64, bias=False)
+    weights = layer.weight.clone(), mlp.weight.clone()
     layer.prepack()
     mlp.prepack()
     assert (layer.packed.layout, mlp.packed.layout) == ("f32", "f32_gated")
     for tokens in (1, 600):
         x = torch.randn(tokens, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        torch.testing.assert_close(mlp(x), silu_mul(F.linear(x, mlp.weight)))
+        torch.testing.assert_close(layer(x), F.linear(x, weights[0], layer.bias))
+        torch.testing.assert_close(mlp(x), silu_mul(F.linear(x, weights[1])))
     assert plain == [1, 600] and gated == [1, 600]
-    with F32.within(False):
-        layer(torch.randn(3, 64))
-        mlp(torch.randn(3, 64))
+    with F32.within(False):  # torch's path, on the plain weights read back from the packing
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, weights[0], layer.bias))
+        torch.testing.assert_close(mlp(x), silu_mul(F.linear(x, weights[1])))
     assert plain == [1, 600] and gated == [1, 600]
 
 
@@ -111,11 +113,12 @@ def test_shapes_the_packing_cannot_take_keep_torchs_layout_or_stay_unfused():
         assert pack_weight(torch.randn(64, 64)) is None
     # Halves of 24 rows cannot interleave in blocks: the plain packing, SiLU x up after it.
     odd = GatedLinear(64, 48, bias=False)
+    weight = odd.weight.clone()
     odd.prepack()
     assert odd.packed.layout == "f32"
     x = torch.randn(5, 64)
-    assert torch.equal(odd(x), silu_mul(linear(x, odd.weight, packed=odd.packed)))
-    torch.testing.assert_close(odd(x), silu_mul(F.linear(x, odd.weight)))
+    assert torch.equal(odd(x), silu_mul(linear(x, weight, packed=odd.packed)))
+    torch.testing.assert_close(odd(x), silu_mul(F.linear(x, weight)))
 
 
 def test_bad_operands_are_refused():

@@ -150,7 +150,7 @@ def test_layers_it_cannot_run_say_why(model_dir):
         layer = copy.deepcopy(_load(model_dir)[0].model.layers[0])
         assert LayerLoop.build([layer], Shard())[1] is None
         qkv = layer.self_attn.qkv_proj
-        qkv.bias = torch.nn.Parameter(torch.zeros(qkv.weight.shape[0]))
+        qkv.bias = torch.nn.Parameter(torch.zeros(qkv.out_features))
         assert LayerLoop.build([layer], Shard())[1] == "qkv_proj has a bias"
 
 

@@ -222,21 +222,25 @@ def _rows_of_calls(monkeypatch, op: str) -> list[int]:
 def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit(monkeypatch):
     calls = _rows_of_calls(monkeypatch, "amx_linear")
     layer = Linear(64, 48, bias=True).bfloat16()
+    weight = layer.weight.clone()
     layer.prepack()
     assert layer.packed.layout == "amx"
+    # The plain copy goes where the kernel takes every row count (vectors), not with tiles.
+    assert (layer.weight is None) == (pair_kernel_max_rows() == sys.maxsize)
     sizes = (1, SKINNY_MAX_TOKENS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1)
     for tokens in sizes:
         x = torch.randn(tokens, 64).bfloat16()
         got = layer(x)
-        bound = 2 * _bound(x, layer.weight) + 2 * BF16_EPS * layer.bias.double().abs()
-        assert ((got.double() - F.linear(x, layer.weight, layer.bias).double()).abs()
+        bound = 2 * _bound(x, weight) + 2 * BF16_EPS * layer.bias.double().abs()
+        assert ((got.double() - F.linear(x, weight, layer.bias).double()).abs()
                 <= 2 * bound).all()
     # More rows than the limit (AMX tiles only; vectors have none): torch.
     assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
     assert pair_kernel_max_rows() == (AMX_MAX_ROWS if AMX_MISSING is None else sys.maxsize)
     count = len(calls)
-    with AMX.within(False):
-        layer(torch.randn(8, 64).bfloat16())
+    with AMX.within(False):  # torch's path, on the plain weight (kept or read back)
+        x = torch.randn(8, 64).bfloat16()
+        assert torch.equal(layer(x), F.linear(x, weight, layer.bias))
     assert len(calls) == count
     # Shapes the tiles cannot cover fall back to oneDNN's layout (or none).
     odd = pack_weight(torch.randn(40, 64).bfloat16())
@@ -294,23 +298,26 @@ def test_silu_mul_in_the_amx_epilogue_equals_the_unfused_ops(tokens, half_blocks
 def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypatch):
     calls = _rows_of_calls(monkeypatch, "amx_linear_silu_mul")
     layer = GatedLinear(64, 2 * 96, bias=False).bfloat16()
+    weight = layer.weight.clone()
     layer.prepack()
     assert layer.packed.layout == "amx_gated"
     sizes = (1, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1)
     for tokens in sizes:
         x = torch.randn(tokens, 64).bfloat16()
-        assert _within_one_bf16_step(layer(x), silu_mul(F.linear(x, layer.weight)))
+        assert _within_one_bf16_step(layer(x), silu_mul(F.linear(x, weight)))
     # Past the limit: torch's matmul, then the two ops.
     assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
     count = len(calls)
     with AMX.within(False):
-        layer(torch.randn(8, 64).bfloat16())
+        x = torch.randn(8, 64).bfloat16()
+        assert torch.equal(layer(x), silu_mul(F.linear(x, weight)))
     assert len(calls) == count
     # Halves of a size the gated packing cannot interleave keep the plain packing, unfused.
     odd = GatedLinear(64, 2 * 48, bias=False).bfloat16()
+    odd_weight = odd.weight.clone()
     odd.prepack()
     assert odd.packed.layout == "amx"
     x = torch.randn(5, 64).bfloat16()
-    assert torch.equal(odd(x), silu_mul(linear(x, odd.weight, packed=odd.packed)))
+    assert torch.equal(odd(x), silu_mul(linear(x, odd_weight, packed=odd.packed)))
     assert len(calls) == count
 

@@ -18,6 +18,7 @@ from stallfree.model import (
     load_model,
     load_tokenizer,
 )
+from stallfree.model.linear import plain_weight
 
 PROMPT = ("The paged KV cache stores keys and values in fixed-size blocks, so a serving "
           "engine can grow many sequences at once without fragmenting memory. Explain why.")
@@ -192,21 +193,24 @@ def test_gguf_quant_types_load_exactly(tmp_path, monkeypatch, metadata):
         q, qtype = stored[name]
         return torch.from_numpy(np.array(dequantize(q, qtype), dtype=np.float32))
 
+    def plain(module: torch.nn.Module) -> torch.Tensor:  # read back where packed alone
+        return plain_weight(module.weight, module.packed)
+
     layer = model.model.layers[0]
     q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    qkv = layer.self_attn.qkv_proj.weight
-    gate_up = layer.mlp.gate_up_proj.weight
+    qkv = plain(layer.self_attn.qkv_proj)
+    gate_up = plain(layer.mlp.gate_up_proj)
     checks = {
         "token_embd.weight": model.model.embed_tokens.weight,
         "output_norm.weight": model.model.norm.weight,
-        "output.weight": model.lm_head.weight,
+        "output.weight": plain(model.lm_head),
         "blk.0.attn_norm.weight": layer.input_layernorm.weight,
         "blk.0.ffn_norm.weight": layer.post_attention_layernorm.weight,
         "blk.0.attn_v.weight": qkv[q_rows + kv_rows:],
-        "blk.0.attn_output.weight": layer.self_attn.o_proj.weight,
+        "blk.0.attn_output.weight": plain(layer.self_attn.o_proj),
         "blk.0.ffn_gate.weight": gate_up[:FFN],
         "blk.0.ffn_up.weight": gate_up[FFN:],
-        "blk.0.ffn_down.weight": layer.mlp.down_proj.weight,
+        "blk.0.ffn_down.weight": plain(layer.mlp.down_proj),
     }
     for name, param in checks.items():
         torch.testing.assert_close(param, deq(name), rtol=0, atol=0, msg=name)

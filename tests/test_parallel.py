@@ -147,7 +147,7 @@ def test_tensor_parallel_weights_are_split(small_model, single_tokens):
     from stallfree.model.loader import load_model
 
     whole, _ = load_model(small_model, torch.float32, "cpu")
-    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    total = sum(whole.weight_numels().values()) * 4
     with LLM(small_model, tensor_parallel_size=2, **ENGINE) as llm:
         per_rank = [w.weight_bytes for w in llm.engine.executor.workers]
         # A new KV cache size reaches every rank (a tiny one forces preemptions).

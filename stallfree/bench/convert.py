@@ -64,7 +64,7 @@ def hf_state_dict(model: Any, dtype: Any) -> dict[str, Any]:
     parts = {"qkv_proj": [("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)],
              "gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, 2 * i)]}
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in model.named_weights():
         m = _FUSED.match(name)
         pieces = ([(f"{m.group(1)}.{n}.{m.group(3)}", a, b) for n, a, b in parts[m.group(2)]]
                   if m else [(name, 0, param.shape[0])])

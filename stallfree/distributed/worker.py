@@ -116,7 +116,7 @@ def _serve(channel: Channel, rank: int, world: int, local_rank: int) -> None:
     model, model_config = load_model(cfg.model, dtype, device, shard)
     pipe = StagePipe(rank, tp, model_config.hidden_size, dtype, device) if pp > 1 else None
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = sum(model.weight_numels().values()) * dtype.itemsize
     channel.put(f"ready/{rank}", WorkerInfo(rank, os.getpid(), os.uname().nodename,
                                             weight_bytes, free))
     parent, forged_stop = os.getppid(), False

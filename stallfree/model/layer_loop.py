@@ -43,7 +43,7 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
            for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(eps) > 1:
         return "the layers' norms differ in eps"
-    kind = "f32" if _linears(layers[0])["qkv_proj"].weight.dtype == torch.float32 else "amx"
+    kind = "f32" if layers[0].input_layernorm.weight.dtype == torch.float32 else "amx"
     for layer in layers:
         for name, module in _linears(layer).items():
             want = f"{kind}_gated" if name == "gate_up_proj" else kind
@@ -78,7 +78,7 @@ class LayerLoop:
                         mods["gate_up_proj"].packed.data, mods["down_proj"].packed.data]
         attn = layers[0].self_attn
         return cls(weights, attn.num_heads, attn.num_kv_heads,
-                   layers[0].mlp.gate_up_proj.weight.shape[0],
+                   layers[0].mlp.gate_up_proj.out_features,
                    layers[0].input_layernorm.eps, attn.scale), None
 
     def fits(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .kernels import KernelSwitch, amx_unavailable_reason, bf16_vectors_unavailable_reason
+from .packing import PackedWeight, gate_up_alternating
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
@@ -47,20 +47,6 @@ AMX_MAX_ROWS = 1024
 # oneDNN picks its blocking for this many rows; measured: as fast as a per-size packing
 # at 8-128 rows and the fastest at a 512-token prefill chunk.
 PACK_HINT_ROWS = 512
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A weight [out, in] reordered once for a matmul: `layout` "amx" (csrc/amx_linear.cpp's
-    tiles), "f32" (csrc/f32_linear.cpp's blocks), either "_gated" (gate and up blocks
-    alternating, `gated_linear`), or "onednn" (oneDNN's blocked layout)."""
-
-    data: torch.Tensor
-    layout: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
 
 
 def pair_kernel_unavailable_reason() -> str | None:
@@ -95,29 +81,23 @@ def _amx_shape(weight: torch.Tensor) -> bool:
     return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
 
 
-def _gate_up_alternating(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] with their 16-row blocks interleaved: gate block i, then up block i."""
-    half = weight.shape[0] // 2
-    blocks = weight.reshape(2, half // 16, 16, weight.shape[1]).transpose(0, 1)
-    return blocks.reshape(weight.shape)
-
-
 def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
     if weight.shape[0] % 16 or not F32.usable():
         return None
     if gated and weight.shape[0] % 32 == 0:  # else halves not in whole blocks: plain, unfused
-        return PackedWeight(torch.ops.stallfree.f32_pack(_gate_up_alternating(weight)),
-                            "f32_gated")
-    return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32")
+        return PackedWeight(torch.ops.stallfree.f32_pack(gate_up_alternating(weight)),
+                            "f32_gated", tuple(weight.shape))
+    return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32", tuple(weight.shape))
 
 
 def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
     """`weight` [out, in] reordered for a kernel: a bf16 one for the AMX kernel where it can
     run, else for oneDNN's matmul; a float32 one for the float32 kernel. None where none
-    is used (another dtype or device, no kernel available, or its switch off). The copy
-    costs the weight's size again in memory; it is built after loading, so KV sizing sees
-    it. `gated`: the weight is [gate; up] (`gated_linear`), packed with its gate and up
-    blocks of 16 rows alternating."""
+    is used (another dtype or device, no kernel available, or its switch off). `repack`
+    drops the plain weight where the packing serves every call; else the copy costs the
+    weight's size again in memory (built after loading, so KV sizing sees it). `gated`: the
+    weight is [gate; up] (`gated_linear`), packed with its gate and up blocks of 16 rows
+    alternating."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.dtype == torch.float32:
@@ -125,17 +105,52 @@ def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | Non
     if weight.dtype != torch.bfloat16:
         return None
     if gated and weight.shape[0] % 64 == 0 and _amx_shape(weight) and amx_available():
-        return PackedWeight(torch.ops.stallfree.amx_pack(_gate_up_alternating(weight)),
-                            "amx_gated")
+        return PackedWeight(torch.ops.stallfree.amx_pack(gate_up_alternating(weight)),
+                            "amx_gated", tuple(weight.shape))
     if _amx_shape(weight) and amx_available():
-        return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx")
+        return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx", tuple(weight.shape))
     if not PACKED.usable() or not torch.backends.mkldnn.is_available():
         return None
     try:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
-                                                                    PACK_HINT_ROWS), "onednn")
+                                                                    PACK_HINT_ROWS), "onednn",
+                            tuple(weight.shape))
     except (AttributeError, RuntimeError):  # a torch build without the op
         return None
+
+
+def serves_every_call(packed: PackedWeight | None) -> bool:
+    """Whether `packed` runs every matmul of its weight while its kernel is switched on, at
+    any row count, so that the plain copy can go (`repack`): the float32 packings, and the
+    tile packing where its kernel runs in vectors (in AMX tiles it leaves matmuls of more
+    than AMX_MAX_ROWS rows to torch, which reads the plain weight)."""
+    if packed is None or not packed.readable:
+        return False
+    return packed.layout.startswith("f32") or pair_kernel_max_rows() == sys.maxsize
+
+
+def plain_weight(weight: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+    """`weight`, or where `repack` dropped it (None), its values read back from `packed`: a
+    copy per call, for the paths that run only while a kernel is switched off (comparisons,
+    benchmarks)."""
+    if weight is not None:
+        return weight
+    if packed is None:
+        raise ValueError("a dropped weight needs its packing")
+    return packed.unpack()
+
+
+def repack(module: nn.Module, previous: PackedWeight | None,
+           gated: bool = False) -> PackedWeight | None:
+    """`module.weight` packed (`pack_weight`; read back from `previous` where an earlier call
+    dropped it). The plain weight is kept only where the packing does not serve every call;
+    else `module.weight` becomes None: one copy of the weights in memory, not two, and any
+    torch op handed the dropped weight fails instead of reading nothing."""
+    plain = plain_weight(module.weight, previous)
+    packed = pack_weight(plain, gated)
+    module.weight = (None if serves_every_call(packed)
+                     else nn.Parameter(plain, requires_grad=False))
+    return packed
 
 
 def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -144,19 +159,19 @@ def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and SWITCH.usable())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [T, in], in a kernel or from `packed` (the
-    `pack_weight` of `weight`) where either pays."""
+    `pack_weight` of `weight`) where either pays. `weight` None: dropped by `repack`."""
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
     if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0]):
-        out = torch.ops.stallfree.amx_linear(x, packed.data, weight.shape[0])
+        out = torch.ops.stallfree.amx_linear(x, packed.data, packed.shape[0])
     elif packed_fits and packed.layout == "f32" and F32.enabled:
-        out = torch.ops.stallfree.f32_linear(x, packed.data, weight.shape[0])
-    elif runs_in_kernel(x, weight):
-        out = torch.ops.stallfree.skinny_linear(x, weight)
+        out = torch.ops.stallfree.f32_linear(x, packed.data, packed.shape[0])
     else:
-        out = None
+        weight = plain_weight(weight, packed)
+        out = (torch.ops.stallfree.skinny_linear(x, weight) if runs_in_kernel(x, weight)
+               else None)
     if out is not None:  # the kernels take no bias
         return out if bias is None else out + bias
     if packed_fits and packed.layout == "onednn" and PACKED.enabled:
@@ -180,17 +195,19 @@ def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
             or packed.layout == "f32_gated" and F32.enabled)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor,
+def gated_linear(x: torch.Tensor, weight: torch.Tensor | None,
                  packed: PackedWeight | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] [2I, in]. From a gated packing,
     in one AMX pass that never stores the [T, 2I] products: at a 512-token chunk those
     and the two torch ops reading them back cost as much as the matmul's arithmetic."""
-    if x.dim() == 2 and x.dtype == weight.dtype and fuses_gate(packed, x.shape[0]):
+    if (x.dim() == 2 and fuses_gate(packed, x.shape[0])
+            and x.dtype == packed.data.dtype):
         fused = (torch.ops.stallfree.f32_linear_silu_mul if packed.layout == "f32_gated"
                  else torch.ops.stallfree.amx_linear_silu_mul)
-        return fused(x, packed.data, weight.shape[0])
-    plain = packed if packed is not None and not packed.layout.endswith("_gated") else None
-    return silu_mul(linear(x, weight, None, plain))
+        return fused(x, packed.data, packed.shape[0])
+    if packed is not None and packed.layout.endswith("_gated"):
+        return silu_mul(linear(x, plain_weight(weight, packed)))
+    return silu_mul(linear(x, weight, None, packed))
 
 
 class Linear(nn.Linear):
@@ -200,8 +217,10 @@ class Linear(nn.Linear):
     # sets it once the weight holds its final values.
     packed: PackedWeight | None = None
 
+    gated = False  # the weight is [gate; up] (GatedLinear)
+
     def prepack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        self.packed = repack(self, self.packed, self.gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -211,8 +230,7 @@ class GatedLinear(Linear):
     """gate and up projections in one Linear ([gate; up], the checkpoint's fused name) whose
     forward is `gated_linear`: silu(gate) * up [T, I]."""
 
-    def prepack(self) -> None:
-        self.packed = pack_weight(self.weight, gated=True)
+    gated = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_linear(x, self.weight, self.packed)

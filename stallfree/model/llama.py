@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -10,7 +12,7 @@ from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layer_loop import LayerLoop
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
-from .linear import Linear, PackedWeight, linear, pack_weight
+from .linear import Linear, PackedWeight, linear, repack
 from .parallel import Shard, VocabParallelEmbedding
 
 logger = logging.getLogger("stallfree.model")
@@ -132,15 +134,15 @@ class LlamaForCausalLM(nn.Module):
             return x + residual
         return self.model.norm.add_forward(x, residual)[0]
 
-    def _logits_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
-        logits = linear(hidden, self._logits_weight(), packed=self.logits_packed)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.model.embed_tokens.weight, packed=self.logits_packed)
         return self.shard.gather_vocab(logits.float(), self.config.vocab_size)
 
-    # The tied embedding's packed copy (linear.pack_weight); lm_head, a Linear, holds its own.
+    # The tied embedding's packing (linear.repack); lm_head, a Linear, holds its own.
     logits_packed: PackedWeight | None = None
     # The layers in one C++ call where their weights allow it (layer_loop.py); set by prepack.
     layer_loop: LayerLoop | None = None
@@ -153,20 +155,44 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
                 packs += [module.packed] if module.packed is not None else []
-        if self.lm_head is None and self.model.embed_tokens is not None:
-            self.logits_packed = pack_weight(self._logits_weight())
+        embed = self.model.embed_tokens
+        if self.lm_head is None and embed is not None:
+            self.logits_packed = repack(embed, self.logits_packed)
+            # Where the plain matrix went, the embedding's lookups read the packing.
+            embed.packed = self.logits_packed if embed.weight is None else None
             packs += [self.logits_packed] if self.logits_packed is not None else []
         if packs:
             layouts = sorted({p.layout for p in packs})
-            logger.info("matmul weights prepacked for %s: %.0f MB more memory (STALLFREE_"
-                        "AMX_LINEAR=0 / _F32_LINEAR=0 / _PACKED_LINEAR=0 turn it off)",
-                        "+".join(layouts), sum(p.nbytes for p in packs) / 1e6)
+            kept = sum(p.nbytes for p in self.parameters() if p.dim() == 2)
+            logger.info("matmul weights prepacked for %s: %.0f MB, beside %.0f MB of plain "
+                        "matrices kept (STALLFREE_AMX_LINEAR=0 / _F32_LINEAR=0 / "
+                        "_PACKED_LINEAR=0 turn it off)", "+".join(layouts),
+                        sum(p.nbytes for p in packs) / 1e6, kept / 1e6)
         self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard)
         if self.layer_loop is not None:
             logger.info("decoder layers run in one C++ call where a batch allows it "
                         "(STALLFREE_LAYER_LOOP=0 turns it off)")
         else:
             logger.info("decoder layers loop in Python: %s", self.layer_loop_reason)
+
+    def _packed_only(self) -> Iterator[tuple[str, PackedWeight]]:
+        """(checkpoint name, packing) of each matrix whose plain copy went (linear.repack)."""
+        for name, module in self.named_modules():
+            packed = getattr(module, "packed", None)
+            if packed is not None and module.weight is None:
+                yield f"{name}.weight", packed
+
+    def weight_numels(self) -> dict[str, int]:
+        """Values per weight, by checkpoint name, as loaded (packed-only matrices too)."""
+        numels = {name: p.numel() for name, p in self.named_parameters()}
+        return numels | {name: math.prod(p.shape) for name, p in self._packed_only()}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, values) of every weight; a packed-only matrix is read back from
+        its packing, a copy each."""
+        yield from self.named_parameters()
+        for name, packed in self._packed_only():
+            yield name, packed.unpack()
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""

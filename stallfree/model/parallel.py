@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .packing import PackedWeight
+
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """[lo, hi) of part `index` when `total` items are cut into `parts` near-equal runs."""
@@ -89,10 +91,18 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.lo, self.hi = shard.tp_range(vocab_size)
         self.weight = torch.nn.Parameter(torch.empty(self.hi - self.lo, hidden_size))
 
+    # Set by the model's prepack where the LM head's packing holds this matrix and the
+    # plain weight went (linear.repack): rows are read from the packing then.
+    packed: PackedWeight | None = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return torch.nn.functional.embedding(ids, self.weight)
+        return self.packed.rows(ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
-            return torch.nn.functional.embedding(ids, self.weight)
+            return self._rows(ids)
         mine = (ids >= self.lo) & (ids < self.hi)
         local = torch.where(mine, ids - self.lo, torch.zeros_like(ids))
-        out = torch.nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)
-        return self.shard.all_reduce(out)
+        return self.shard.all_reduce(self._rows(local) * mine.unsqueeze(-1))

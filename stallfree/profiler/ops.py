@@ -34,7 +34,8 @@ def profile_ops(model: Any, cfg: Any, grid: dict[str, Any]) -> list[dict[str, An
 def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
     layer = model.model.layers[0]
     attn, h, hd, inter = layer.self_attn, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    weight = model.model.embed_tokens.weight
+    # A norm's weight: the embedding's may have gone to its packing (linear.repack).
+    weight = layer.input_layernorm.weight
     dev, dt = weight.device, weight.dtype
     x, y = torch.randn(t, h, dtype=dt, device=dev), torch.randn(t, h, dtype=dt, device=dev)
     ids = torch.randint(0, cfg.vocab_size, (t,), device=dev)

@@ -1,0 +1,128 @@
+"""Packed matmul weights read back (packing.py), and a model holding its matrices once: the
+plain copy goes where the packing serves every call (linear.repack), the tied embedding
+looks its rows up in the LM head's packing, and the paths that run with a kernel switched
+off rebuild the plain weight exactly.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallfree.model import load_model
+from stallfree.model.kernels import unavailable_reason
+from stallfree.model.linear import (
+    AMX,
+    F32,
+    Linear,
+    pair_kernel_max_rows,
+    pair_kernel_unavailable_reason,
+    plain_weight,
+)
+from stallfree.model.packing import PackedWeight, gate_up_alternating
+from tiny_models import save_tiny_model
+
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
+
+
+def _packed(weight: torch.Tensor, layout: str) -> PackedWeight:
+    gated = layout.endswith("_gated")
+    source = gate_up_alternating(weight) if gated else weight
+    pack = (torch.ops.stallfree.f32_pack if layout.startswith("f32")
+            else torch.ops.stallfree.amx_pack)
+    return PackedWeight(pack(source), layout, tuple(weight.shape))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=st.sampled_from(["f32", "f32_gated", "amx", "amx_gated"]),
+       blocks=st.integers(1, 6), k=st.integers(1, 5), seed=st.integers(0, 2**16),
+       ids=st.lists(st.integers(0, 10**6), min_size=1, max_size=9))
+def test_a_packing_gives_back_every_value_and_row(layout, blocks, k, seed, ids):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 32 * blocks if layout.endswith("_gated") else 16 * blocks
+    cols = 32 * k if layout.startswith("amx") else 7 * k  # f32: any width
+    dtype = torch.float32 if layout.startswith("f32") else torch.bfloat16
+    weight = torch.randn(rows, cols, generator=gen).to(dtype)
+    packed = _packed(weight, layout)
+    assert packed.readable and packed.nbytes == weight.nbytes
+    plain = packed.unpack()
+    assert torch.equal(plain, weight) and plain.dtype == dtype
+    # float32 comes back column-major, the loader's layout for torch's float32 matmuls.
+    assert (plain.stride(0) == 1) == (dtype == torch.float32 and cols > 1)
+    if not layout.endswith("_gated"):
+        index = torch.tensor(ids) % rows
+        assert torch.equal(packed.rows(index), weight[index])
+        assert torch.equal(packed.rows(index.view(1, -1)), weight[index].unsqueeze(0))
+
+
+def test_layouts_that_cannot_be_read_back_say_so():
+    opaque = PackedWeight(torch.zeros(4), "onednn", (2, 2))
+    assert not opaque.readable
+    with pytest.raises(ValueError, match="onednn packing cannot be read back"):
+        opaque.unpack()
+    with pytest.raises(ValueError, match="gated"):
+        _packed(torch.randn(32, 8), "f32_gated").rows(torch.tensor([0]))
+    with pytest.raises(ValueError, match="needs its packing"):
+        plain_weight(None, None)
+
+
+def test_a_layer_drops_its_plain_weight_and_gets_it_back_when_its_kernel_is_off():
+    layer = Linear(40, 48, bias=True)
+    weight = layer.weight.detach().clone()
+    layer.prepack()
+    assert layer.weight is None and layer.packed.layout == "f32"
+    assert [name for name, _ in layer.named_parameters()] == ["bias"]
+    x = torch.randn(5, 40)
+    expected = F.linear(x, weight, layer.bias)
+    torch.testing.assert_close(layer(x), expected)
+    with F32.within(False):
+        torch.testing.assert_close(layer(x), expected)  # read back for torch, per call
+        layer.prepack()  # a repack without the kernel: the plain weight is kept
+        assert layer.packed is None and torch.equal(layer.weight, weight)
+    layer.prepack()
+    assert layer.weight is None and torch.equal(layer.packed.unpack(), weight)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_loaded_model_holds_each_matrix_once(tied, dtype, tied_model, tiny_model):
+    """In float32, and in bf16 where the tile packing's kernel takes every row count (in
+    vectors); the reference is loaded with that kernel off, its plain weights kept."""
+    switch = F32 if dtype == torch.float32 else AMX
+    if dtype == torch.bfloat16 and pair_kernel_unavailable_reason() is not None:
+        pytest.skip(f"bf16 matmul packing: {pair_kernel_unavailable_reason()}")
+    if dtype == torch.bfloat16 and pair_kernel_max_rows() != sys.maxsize:
+        pytest.skip("AMX tiles: matmuls past AMX_MAX_ROWS rows read the plain weight")
+    path = tied_model if tied else tiny_model
+    model, config = load_model(path, dtype, "cpu")
+    with switch.within(False):
+        reference, _ = load_model(path, dtype, "cpu")
+    # Plain matrices left: an untied embedding's table (a lookup, no matmul), else none.
+    plain = [name for name, p in model.named_parameters() if p.dim() == 2]
+    assert plain == ([] if tied else ["model.embed_tokens.weight"])
+    assert model.weight_numels() == {n: p.numel() for n, p in reference.named_parameters()}
+    weights = dict(model.named_weights())  # what a checkpoint writer reads: every value back
+    assert weights.keys() == dict(reference.named_parameters()).keys()
+    assert all(torch.equal(weights[n], p) for n, p in reference.named_parameters())
+    held = (sum(p.nbytes for p in model.parameters())
+            + sum(m.packed.nbytes for m in model.modules()
+                  if getattr(m, "packed", None) is not None and m.weight is None))
+    assert held == sum(model.weight_numels().values()) * dtype.itemsize
+    assert model.layer_loop is not None
+    ids = torch.tensor([0, 5, config.vocab_size - 1, 77, 5])
+    embed = model.model.embed_tokens
+    assert (embed.packed is not None) == tied
+    assert torch.equal(embed(ids), reference.model.embed_tokens(ids))
+    hidden = torch.randn(3, config.hidden_size, dtype=dtype)
+    torch.testing.assert_close(model.compute_logits(hidden), reference.compute_logits(hidden),
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
