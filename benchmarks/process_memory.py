@@ -37,14 +37,9 @@ def measure(dtype: str, kv_cache_memory: int) -> dict[str, float]:
     llm.generate(["Name three colours."], SamplingParams(max_tokens=32, ignore_eos=True))
     model = llm.engine.executor.model
     itemsize = llm.engine.dtype.itemsize
-    packs = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    packs += [model.logits_packed] if model.logits_packed is not None else []
-    packs = list({id(p.data): p for p in packs}.values())  # a tied embedding's is shared
+    held = model.held_bytes()
     return {"weights": sum(model.weight_numels().values()) * itemsize / MB,
-            "packings": sum(p.nbytes for p in packs) / MB,
-            "plain kept": sum(p.nbytes for p in model.parameters() if p.dim() == 2
-                              and p is not getattr(model.model.embed_tokens, "weight", None))
-            / MB,
+            "packings": held["packings"] / MB, "plain kept": held["plain beside packings"] / MB,
             "kv cache": llm.engine.executor.runner.kv_cache.nbytes / MB,
             "VmHWM": _status_kb("VmHWM") * 1e3 / MB, "VmRSS": _status_kb("VmRSS") * 1e3 / MB}
 

@@ -126,3 +126,21 @@ def test_a_loaded_model_holds_each_matrix_once(tied, dtype, tied_model, tiny_mod
     hidden = torch.randn(3, config.hidden_size, dtype=dtype)
     torch.testing.assert_close(model.compute_logits(hidden), reference.compute_logits(hidden),
                                rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_tied_embedding_is_packed_only_on_the_stage_that_computes_logits(stage, tied_model):
+    """Two pipeline stages of a tied model: the first only looks the embedding up (a plain
+    table), the last computes logits from it (its packing, rows looked up there)."""
+    from stallfree.model.parallel import Shard
+
+    model, _ = load_model(tied_model, torch.float32, "cpu", Shard(pp_rank=stage, pp_size=2))
+    embed = model.model.embed_tokens
+    last = stage == 1
+    assert model.logits_from_embedding == last
+    assert (model.logits_packed is not None) == last and (embed.packed is not None) == last
+    assert (embed.weight is None) == last
+    held = model.held_bytes()
+    assert held["plain beside packings"] == 0
+    assert held["other"] == sum(p.nbytes for p in model.parameters())
+

@@ -134,6 +134,13 @@ class LlamaForCausalLM(nn.Module):
             return x + residual
         return self.model.norm.add_forward(x, residual)[0]
 
+    @property
+    def logits_from_embedding(self) -> bool:
+        """Whether this stage computes logits from the (tied) embedding matrix: the last
+        stage of a tied model; a first stage only looks the embedding up."""
+        return self.lm_head is None and self.shard.is_last_stage \
+            and self.model.embed_tokens is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Call only on rows that are sampled."""
         if self.lm_head is not None:
@@ -156,18 +163,18 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
                 packs += [module.packed] if module.packed is not None else []
         embed = self.model.embed_tokens
-        if self.lm_head is None and embed is not None:
+        if self.logits_from_embedding:
             self.logits_packed = repack(embed, self.logits_packed)
             # Where the plain matrix went, the embedding's lookups read the packing.
             embed.packed = self.logits_packed if embed.weight is None else None
             packs += [self.logits_packed] if self.logits_packed is not None else []
         if packs:
             layouts = sorted({p.layout for p in packs})
-            kept = sum(p.nbytes for p in self.parameters() if p.dim() == 2)
+            held = self.held_bytes()
             logger.info("matmul weights prepacked for %s: %.0f MB, beside %.0f MB of plain "
                         "matrices kept (STALLFREE_AMX_LINEAR=0 / _F32_LINEAR=0 / "
                         "_PACKED_LINEAR=0 turn it off)", "+".join(layouts),
-                        sum(p.nbytes for p in packs) / 1e6, kept / 1e6)
+                        held["packings"] / 1e6, held["plain beside packings"] / 1e6)
         self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard)
         if self.layer_loop is not None:
             logger.info("decoder layers run in one C++ call where a batch allows it "
@@ -175,21 +182,36 @@ class LlamaForCausalLM(nn.Module):
         else:
             logger.info("decoder layers loop in Python: %s", self.layer_loop_reason)
 
-    def _packed_only(self) -> Iterator[tuple[str, PackedWeight]]:
-        """(checkpoint name, packing) of each matrix whose plain copy went (linear.repack)."""
+    def _packings(self) -> Iterator[tuple[str, nn.Module, PackedWeight]]:
+        """(weight name, its module, packing) of every packed matrix: the Linears', and the
+        tied embedding's as the LM head."""
         for name, module in self.named_modules():
-            packed = getattr(module, "packed", None)
-            if packed is not None and module.weight is None:
-                yield f"{name}.weight", packed
+            if isinstance(module, Linear) and module.packed is not None:
+                yield f"{name}.weight", module, module.packed
+        if self.logits_packed is not None:
+            yield "model.embed_tokens.weight", self.model.embed_tokens, self.logits_packed
+
+    def _packed_only(self) -> Iterator[tuple[str, PackedWeight]]:
+        """(weight name, packing) of each matrix whose plain copy went (linear.repack)."""
+        return ((name, p) for name, module, p in self._packings() if module.weight is None)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes the weights take: "packings" (for the CPU kernels), "plain beside packings"
+        (kept where a packing does not serve every call), "other" (the rest: norms, an
+        embedding that is only looked up)."""
+        packs = list(self._packings())
+        beside = sum(m.weight.nbytes for _, m, _ in packs if m.weight is not None)
+        return {"packings": sum(p.nbytes for *_, p in packs), "plain beside packings": beside,
+                "other": sum(p.nbytes for p in self.parameters()) - beside}
 
     def weight_numels(self) -> dict[str, int]:
-        """Values per weight, by checkpoint name, as loaded (packed-only matrices too)."""
+        """Values per weight, by this model's names, as loaded (packed-only ones too)."""
         numels = {name: p.numel() for name, p in self.named_parameters()}
         return numels | {name: math.prod(p.shape) for name, p in self._packed_only()}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, values) of every weight; a packed-only matrix is read back from
-        its packing, a copy each."""
+        """(name, values) of every weight, by this model's names (q/k/v and gate/up fused);
+        a packed-only matrix is read back from its packing, a copy each."""
         yield from self.named_parameters()
         for name, packed in self._packed_only():
             yield name, packed.unpack()

@@ -90,7 +90,7 @@ def _column_major_matmul_weights(model: LlamaForCausalLM) -> None:
     own bf16 path is no faster column-major).
     """
     mats = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if model.lm_head is None and model.model.embed_tokens is not None:
+    if model.logits_from_embedding:
         mats.append(model.model.embed_tokens)
     for m in mats:
         w = m.weight

@@ -67,7 +67,8 @@ class PackedWeight:
         return blocks.permute(0, 3, 1, 2, 4).reshape(n, k)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the plain weight (an embedding lookup), read from the packing."""
+        """Rows `ids` of the plain weight (an embedding lookup), read from the packing; ids in
+        [0, out), as the engine checks them (a negative one would wrap around)."""
         if self.layout.endswith("_gated"):
             raise ValueError("rows of a gated packing are not looked up")
         flat = ids.reshape(-1)
