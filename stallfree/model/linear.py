@@ -211,7 +211,9 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor | None,
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and checkpoint names) calling `linear`."""
+    """nn.Linear (same parameters and checkpoint names) calling `linear`. After `prepack`,
+    `weight` is None where the packing alone holds it (`repack`); the packing is no
+    parameter, so module moves (`.to`, `.float`) are for before `prepack` only."""
 
     # Not a parameter or buffer: checkpoints and module moves never see it. `prepack`
     # sets it once the weight holds its final values.
