@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import KernelSwitch, amx_unavailable_reason, bf16_vectors_unavailable_reason
-from .packing import PackedWeight, gate_up_alternating
+from .packing import BLOCK, PackedWeight, gate_up_alternating
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
@@ -78,13 +78,13 @@ def amx_available() -> bool:
 
 
 def _amx_shape(weight: torch.Tensor) -> bool:
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+    return weight.shape[0] % BLOCK == 0 and weight.shape[1] % 32 == 0
 
 
 def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
-    if weight.shape[0] % 16 or not F32.usable():
+    if weight.shape[0] % BLOCK or not F32.usable():
         return None
-    if gated and weight.shape[0] % 32 == 0:  # else halves not in whole blocks: plain, unfused
+    if gated and weight.shape[0] % (2 * BLOCK) == 0:  # else halves not in whole blocks: plain
         return PackedWeight(torch.ops.stallfree.f32_pack(gate_up_alternating(weight)),
                             "f32_gated", tuple(weight.shape))
     return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32", tuple(weight.shape))

@@ -157,19 +157,16 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Reorder matmul weights for the CPU's matmul library; once their values are final."""
-        packs: list[PackedWeight] = []
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-                packs += [module.packed] if module.packed is not None else []
         embed = self.model.embed_tokens
         if self.logits_from_embedding:
             self.logits_packed = repack(embed, self.logits_packed)
             # Where the plain matrix went, the embedding's lookups read the packing.
             embed.packed = self.logits_packed if embed.weight is None else None
-            packs += [self.logits_packed] if self.logits_packed is not None else []
-        if packs:
-            layouts = sorted({p.layout for p in packs})
+        layouts = sorted({p.layout for *_, p in self._packings()})
+        if layouts:
             held = self.held_bytes()
             logger.info("matmul weights prepacked for %s: %.0f MB, beside %.0f MB of plain "
                         "matrices kept (STALLFREE_AMX_LINEAR=0 / _F32_LINEAR=0 / "
