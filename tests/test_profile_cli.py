@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from stallfree.cli import main as cli_main
+from stallfree.model import paged_decode
 from stallfree.sim import profile_store as P
 from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
 from stallfree.sim.hardware import CPU, MODELS
@@ -19,8 +22,10 @@ def test_quick_profile_feeds_the_cpu_cost_model(tmp_path):
     attention = P.attention_paths(tmp_path, "cpu")
     assert len(attention) == 1
     profile = P.load_attention(attention[0])
-    # The engine's kernel: padded decodes, fp32 KV on CPU, so calls are split as it does.
-    assert profile.padded_decode and profile.kv_dtype_bytes == 4
+    # Decodes as the engine runs them: read in place by the kernel where it is built (cost
+    # by mean context), else gathered and padded per length group; fp32 KV either way.
+    in_place = paged_decode.usable(torch.zeros(2, 1, 16, 3, 64))
+    assert profile.padded_decode is not in_place and profile.kv_dtype_bytes == 4
     cost = ProfiledCostModel(MODELS["smollm2-135m"], CPU, root=tmp_path)
     assert cost.slowdown == host["wall_per_cpu"]
     # Positive and finite from the measured rows; no order between them is asserted, as

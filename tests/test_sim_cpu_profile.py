@@ -1,5 +1,5 @@
-"""The CPU cost model: decode attention padded to each length group's longest, on hand-made
-profiles."""
+"""The CPU cost model on hand-made profiles: decode attention padded to each length group's
+longest (the torch path) or by mean context (in place), and the time outside the ops."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +20,7 @@ OP_MS = 0.01  # every token-level op, every token count
 DECODE_MS = {(1, 100): 0.1, (1, 1000): 1.0, (8, 100): 0.8, (8, 1000): 40.0}
 
 
-def write_cpu_profile(root: Path, backend: str) -> None:
+def write_cpu_profile(root: Path, backend: str, host_ms: float = 1.0) -> None:
     """The three files `stallfree profile` writes, with the numbers above."""
     dev = root / "cpu"
     shape = {"n_head": 9, "n_kv_head": 3, "n_embd": 576, "n_expanded_embd": 1536,
@@ -42,7 +42,7 @@ def write_cpu_profile(root: Path, backend: str) -> None:
                        "is_prefill": bool(chunk), "attention_backend": backend})
     write_csv(dev / "compute" / "attention_n576_q9_kv3_tp1.csv", rows)
     write_csv(dev / "cpu_overheads.csv", [
-        {"prepare_inputs_e2e_median": 1.0, "model_name": SMOL.profile_name, "batch_size": b,
+        {"prepare_inputs_e2e_median": host_ms, "model_name": SMOL.profile_name, "batch_size": b,
          "tensor_parallel_degree": 1, "ray_comm_time_mean": 0.0} for b in (1, 8)])
 
 
@@ -153,3 +153,31 @@ def test_a_deployment_passes_its_slowdown_to_the_cost_model(tmp_path: Path):
     dep = Deployment("smollm2-135m", "cpu", profile_dir=str(tmp_path), cpu_slowdown=1.5)
     assert dep.cost_model().slowdown == 1.5
     assert Deployment("smollm2-135m", "cpu", profile_dir=str(tmp_path)).cost_model().slowdown == 1
+
+
+def test_a_negative_host_time_comes_off_the_stage(tmp_path: Path):
+    # A step that costs less than its ops timed one by one (the layers in one C++ call).
+    write_cpu_profile(tmp_path / "none", "stallfree.paged_decode", host_ms=0.0)
+    write_cpu_profile(tmp_path / "less", "stallfree.paged_decode", host_ms=-0.5)
+    batch = BatchShape.decode(1, 100)
+    base = ProfiledCostModel(SMOL, CPU, root=tmp_path / "none").iteration(batch)
+    less = ProfiledCostModel(SMOL, CPU, root=tmp_path / "less").iteration(batch)
+    assert base.cpu == less.cpu == 0.0
+    assert less.stage == pytest.approx(base.stage - 0.5e-3)
+
+
+def test_the_profile_fits_a_line_through_the_time_outside_the_ops(tmp_path: Path):
+    from stallfree.profiler.run import cpu_overhead_rows
+
+    write_cpu_profile(tmp_path, "stallfree.paged_decode")
+    folder = tmp_path / "cpu"
+    ops = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.0)
+    # Outside the ops: -3 ms + 0.1 ms per request, each step off the line by 1 ms either way
+    # (noise uncorrelated with the batch size, so least squares recovers the line).
+    noise_ms = {1: 1.0, 2: -1.0, 3: -1.0, 4: 1.0}
+    steps = {b: (ops.iteration(BatchShape.decode(b, 100)).stage + (-3 + 0.1 * b + e) / 1e3,
+                 100) for b, e in noise_ms.items()}
+    rows = cpu_overhead_rows(steps, SMOL, folder)
+    assert [r["batch_size"] for r in rows] == [1, 2, 3, 4]
+    assert [r["prepare_inputs_e2e_median"] for r in rows] == pytest.approx(
+        [-3 + 0.1 * b for b in (1, 2, 3, 4)])

@@ -6,9 +6,10 @@ Writes, under `--out` (default ./profiles), for device `cpu` (or --device-name):
                                              plus an `lm_head` op (logits of sampled rows)
     <device>/compute/attention_n<H>_q<Q>_kv<K>_tp1.csv
                                              the engine's paged_attention, prefill chunks by
-                                             cached tokens, decode batches by gathered tokens
+                                             cached tokens, decode batches by context
     <device>/cpu_overheads.csv               per-iteration time of real `LLMEngine.step()`
                                              decode batches minus the summed op times above
+                                             (a line in the batch size; may be negative)
     <device>/host.json                       wall seconds per CPU second of those steps
 
 Times are CPU seconds of this process, not wall seconds: an op's microbenchmark

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..model import paged_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from ..sim.profile_csv import stat_columns, time_stats
 from .timing import cpu_ms
@@ -14,6 +15,10 @@ from .timing import cpu_ms
 MIN_CONTEXT, MAX_CONTEXT = 16, 2048
 COLD_BYTES = 128 << 20  # KV read between two calls of one case: more than the CPU caches
 BLOCK = 16
+# What decodes run in, as the cost model reads it (sim/profile_store.py): the kernel reads
+# each request's blocks in place, so a batch costs by its mean context; the torch path
+# gathers length groups padded to each group's longest.
+IN_PLACE, GATHER = "stallfree.paged_decode", "stallfree.paged_attention"
 
 
 def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
@@ -30,8 +35,9 @@ def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
                  for b, c, k in cases)
     cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
                         device=dev)
+    backend = IN_PLACE if paged_decode.usable(cache) else GATHER
     return [_attention_row(cfg, b, c, k, grid["repeats"], cache, layers, size)
-            for b, c, k in cases]
+            | {"attention_backend": backend} for b, c, k in cases]
 
 
 def _blocks(chunk: int, cached: int) -> int:
@@ -81,6 +87,6 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int,
     return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
                   "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
                   "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
-                  "attention_backend": "stallfree.paged_attention", "profile_method": "cpu",
+                  "profile_method": "cpu",
                   # The kernel caps its calls by KV bytes on CPU only (0: not capped).
                   "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}

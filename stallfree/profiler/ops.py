@@ -1,12 +1,17 @@
 """Each token-level op of one decoder layer (and the embedding and LM head), by token count.
 
 The ops are the engine's own modules, reached through the model's attributes
-(`model.model.layers[0].self_attn.qkv_proj`, `layer.mlp.gate_up_proj`, ...), so each is
+(`model.model.layers[i].self_attn.qkv_proj`, `layer.mlp.gate_up_proj`, ...), so each is
 timed in the kernel the engine runs it in. Where the engine computes SiLU x up inside the
 gate/up matmul (linear.fuses_gate), mlp_up_proj times both and mlp_act is zero.
+
+Each call of a layer's op takes the next layer's module, as an iteration does: the engine
+reads a layer's weights once per iteration, from memory, and layer 0's weights called again
+and again would stay in the CPU's caches.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -17,6 +22,9 @@ from ..sim.profile_csv import stat_columns, time_stats
 from .timing import cpu_ms
 
 LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
+# Small ops get more calls, so that few-token rows (a light load's decodes, a fraction of a
+# millisecond each) are medians of as many calls as a 64-token row is of tokens.
+CALLS_TOKENS = 64
 OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
        "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "lm_head")
 
@@ -27,12 +35,13 @@ def profile_ops(model: Any, cfg: Any, grid: dict[str, Any]) -> list[dict[str, An
              "n_embd": cfg.hidden_size, "n_expanded_embd": cfg.intermediate_size,
              "vocab_size": cfg.vocab_size, "use_gated_mlp": True,
              "num_tensor_parallel_workers": 1}
-    return [_ops_row(model, cfg, t, grid["repeats"]) | shape | {"num_tokens": t}
-            for t in grid["tokens"]]
+    return [_ops_row(model, cfg, t, grid["repeats"] * max(1, CALLS_TOKENS // t)) | shape
+            | {"num_tokens": t} for t in grid["tokens"]]
 
 
 def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
-    layer = model.model.layers[0]
+    layer = model.model.layers[0]  # shapes and the fused-gate check: every layer's alike
+    nxt = itertools.cycle(model.model.layers).__next__
     attn, h, hd, inter = layer.self_attn, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     # A norm's weight: the embedding's may have gone to its packing (linear.repack).
     weight = layer.input_layernorm.weight
@@ -45,15 +54,15 @@ def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
     up = torch.randn(t, 2 * inter, dtype=dt, device=dev)
     attn_out = torch.randn(t, attn.q_size, dtype=dt, device=dev)
     fns = {"emb": lambda: model.model.embed_tokens(ids),
-           "input_layernorm": lambda: layer.input_layernorm(x),
-           "attn_pre_proj": lambda: attn.qkv_proj(x),
+           "input_layernorm": lambda: nxt().input_layernorm(x),
+           "attn_pre_proj": lambda: nxt().self_attn.qkv_proj(x),
            "attn_rope": lambda: apply_rope(qk, cos, sin),
-           "attn_post_proj": lambda: attn.o_proj(attn_out),
+           "attn_post_proj": lambda: nxt().self_attn.o_proj(attn_out),
            # The engine adds the residual in the norm's pass (add_forward).
-           "post_attention_layernorm": lambda: layer.post_attention_layernorm.add_forward(x, y),
-           "mlp_up_proj": lambda: layer.mlp.gate_up_proj(x),
+           "post_attention_layernorm": lambda: nxt().post_attention_layernorm.add_forward(x, y),
+           "mlp_up_proj": lambda: nxt().mlp.gate_up_proj(x),
            "mlp_act": lambda: silu_mul(up),
-           "mlp_down_proj": lambda: layer.mlp.down_proj(up[:, :inter]),
+           "mlp_down_proj": lambda: nxt().mlp.down_proj(up[:, :inter]),
            "add": lambda: x + y,
            "lm_head": lambda: model.compute_logits(x)}
     row: dict[str, Any] = {}

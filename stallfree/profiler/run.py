@@ -17,12 +17,12 @@ from ..sim.cost_model import BatchShape, ProfiledCostModel
 from ..sim.hardware import GpuSpec, ModelSpec
 from ..sim.profile_csv import write_csv
 
-# Decode attention here gathers each length group's KV padded to the group's longest
-# context (stallfree/attention_plan.py); a group's cost follows the tokens it gathers. So
-# the decode grid is a list of gathered-token counts, read by each batch size at context =
-# tokens / batch (contexts 16 to 2048). Engine steps (for the time outside the ops) are
-# dense at small batches: a light load runs 1-8 decodes an iteration, where the step time
-# is far from linear in the batch size.
+# Decode attention's cost follows the KV tokens it reads: in place (the CPU kernel), or
+# gathered per length group padded to the group's longest (the torch path,
+# stallfree/attention_plan.py). So the decode grid is a list of token counts, read by each
+# batch size at context = tokens / batch (contexts 16 to 2048). Engine steps (for the time
+# outside the ops) are dense at small batches: a light load runs 1-8 decodes an iteration,
+# where the step time is far from linear in the batch size.
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
         "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],
@@ -104,15 +104,31 @@ def _model_spec(cfg: Any, org_model: str) -> ModelSpec:
 def cpu_overhead_rows(steps: dict[int, tuple[float, int]], spec: ModelSpec,
                       folder: Path) -> list[dict[str, Any]]:
     """Each decode batch's step time (batch -> (CPU seconds, context)) minus the op times
-    just written under `folder`: the time outside the ops, as cpu_overheads.csv rows."""
+    just written under `folder`: the time outside the ops, as cpu_overheads.csv rows.
+
+    Signed, and a least-squares line in the batch size rather than each batch's own
+    difference. Where the engine runs its layers in one C++ call, a step costs less than its
+    ops timed one Python call at a time, and the line's negative part corrects that (the cost
+    model takes it off the stage); the host work of a step (schedule, sample, outputs) grows
+    with its requests. One difference per batch was noise of up to 3 ms either side on a
+    2-core machine, clamped at zero, so it predicted light loads 10-20% slow.
+    """
+    # An earlier profile's host times would count in the stage (when negative): not ours.
+    (folder / "cpu_overheads.csv").unlink(missing_ok=True)
     ops = ProfiledCostModel(spec, GpuSpec(folder.name, 0, 1e12, 1e10, 1e10, None),
                             root=folder.parent, slowdown=1.0)  # CPU seconds, as measured
+    batches = sorted(steps)
+    outside = [steps[b][0] - ops.iteration(BatchShape.decode(b, steps[b][1])).stage
+               for b in batches]
+    slope, intercept = (statistics.linear_regression(batches, outside) if len(batches) > 1
+                        else (0.0, outside[0]))
     rows = []
-    for b, (seconds, ctx) in sorted(steps.items()):
-        residual = max(0.0, seconds - ops.iteration(BatchShape.decode(b, ctx)).stage) * 1e3
-        print(f"  decode batch {b:4d} (context {ctx}): step {seconds * 1e3:.2f} ms CPU, "
-              f"outside the ops {residual:.2f} ms", flush=True)
-        parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": residual,
+    for b, measured in zip(batches, outside):
+        fitted = (intercept + slope * b) * 1e3
+        print(f"  decode batch {b:4d} (context {steps[b][1]}): step {steps[b][0] * 1e3:.2f} "
+              f"ms CPU, outside the ops {measured * 1e3:+.2f} ms, fitted {fitted:+.2f}",
+              flush=True)
+        parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": fitted,
                  "process_model_outputs": 0.0}
         rows.append({f"{k}_{s}": v for k, v in parts.items() for s in ("mean", "median")}
                     | {"model_name": spec.name, "batch_size": b, "tensor_parallel_degree": 1,

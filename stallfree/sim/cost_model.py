@@ -299,6 +299,10 @@ class ProfiledCostModel:
         cpu = self.extra_cpu[0] + self.extra_cpu[1] * b.num_seqs
         if self._cpu is not None:
             cpu += self._cpu.time(self._cpu_key, b.num_seqs, self.tp * self.pp > 1)
+        # A measured CPU's host time is its steps less its ops (stallfree/profiler/run.py):
+        # negative where the engine runs its layers for less than the ops timed one by one,
+        # which corrects the stage, never a time of its own.
+        stage, cpu = stage + min(cpu, 0.0), max(cpu, 0.0)
         k = self.slowdown
         return IterationCost(cpu * k, stage * k, self._send(tokens))
 
