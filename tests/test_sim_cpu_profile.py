@@ -166,18 +166,23 @@ def test_a_negative_host_time_comes_off_the_stage(tmp_path: Path):
     assert less.stage == pytest.approx(base.stage - 0.5e-3)
 
 
-def test_the_profile_fits_a_line_through_the_time_outside_the_ops(tmp_path: Path):
+def test_the_time_outside_the_ops_keeps_its_sign(tmp_path: Path):
     from stallfree.profiler.run import cpu_overhead_rows
 
     write_cpu_profile(tmp_path, "stallfree.paged_decode")
     folder = tmp_path / "cpu"
     ops = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.0)
-    # Outside the ops: -3 ms + 0.1 ms per request, each step off the line by 1 ms either way
-    # (noise uncorrelated with the batch size, so least squares recovers the line).
-    noise_ms = {1: 1.0, 2: -1.0, 3: -1.0, 4: 1.0}
-    steps = {b: (ops.iteration(BatchShape.decode(b, 100)).stage + (-3 + 0.1 * b + e) / 1e3,
-                 100) for b, e in noise_ms.items()}
+    # Steps that cost less than their ops (the layers in one C++ call), one more than them.
+    outside_ms = {1: -3.0, 2: -1.5, 4: 0.5, 8: -2.0}
+    steps = {b: (ops.iteration(BatchShape.decode(b, 100)).stage + ms / 1e3, 100)
+             for b, ms in outside_ms.items()}
     rows = cpu_overhead_rows(steps, SMOL, folder)
-    assert [r["batch_size"] for r in rows] == [1, 2, 3, 4]
+    assert [r["batch_size"] for r in rows] == list(outside_ms)
     assert [r["prepare_inputs_e2e_median"] for r in rows] == pytest.approx(
-        [-3 + 0.1 * b for b in (1, 2, 3, 4)])
+        list(outside_ms.values()))
+    # Read back, a decode batch is predicted at its measured step.
+    write_csv(folder / "cpu_overheads.csv", rows)
+    P.load_cpu.cache_clear()  # the file at this path was read (and cached) with other values
+    cost = ProfiledCostModel(SMOL, CPU, root=tmp_path, slowdown=1.0)
+    for b, (seconds, ctx) in steps.items():
+        assert cost.iteration(BatchShape.decode(b, ctx)).total() == pytest.approx(seconds)

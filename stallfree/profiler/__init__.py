@@ -9,7 +9,7 @@ Writes, under `--out` (default ./profiles), for device `cpu` (or --device-name):
                                              cached tokens, decode batches by context
     <device>/cpu_overheads.csv               per-iteration time of real `LLMEngine.step()`
                                              decode batches minus the summed op times above
-                                             (a line in the batch size; may be negative)
+                                             (signed: may be negative)
     <device>/host.json                       wall seconds per CPU second of those steps
 
 Times are CPU seconds of this process, not wall seconds: an op's microbenchmark

@@ -106,29 +106,23 @@ def cpu_overhead_rows(steps: dict[int, tuple[float, int]], spec: ModelSpec,
     """Each decode batch's step time (batch -> (CPU seconds, context)) minus the op times
     just written under `folder`: the time outside the ops, as cpu_overheads.csv rows.
 
-    Signed, and a least-squares line in the batch size rather than each batch's own
-    difference. Where the engine runs its layers in one C++ call, a step costs less than its
-    ops timed one Python call at a time, and the line's negative part corrects that (the cost
-    model takes it off the stage); the host work of a step (schedule, sample, outputs) grows
-    with its requests. One difference per batch was noise of up to 3 ms either side on a
-    2-core machine, clamped at zero, so it predicted light loads 10-20% slow.
+    Signed: where the engine runs its layers in one C++ call, a step costs less than its ops
+    timed one Python call at a time, and the negative difference corrects that (the cost model
+    takes it off the stage). Clamped at zero, as it was, it only ever added, and predicted
+    light loads 10-20% slow. Each batch keeps its own difference, not a line through them:
+    the difference also cancels the noise of the ops at that token count, so a decode batch
+    is predicted at its measured step (docs/simulation.md compares the two).
     """
     # An earlier profile's host times would count in the stage (when negative): not ours.
     (folder / "cpu_overheads.csv").unlink(missing_ok=True)
     ops = ProfiledCostModel(spec, GpuSpec(folder.name, 0, 1e12, 1e10, 1e10, None),
                             root=folder.parent, slowdown=1.0)  # CPU seconds, as measured
-    batches = sorted(steps)
-    outside = [steps[b][0] - ops.iteration(BatchShape.decode(b, steps[b][1])).stage
-               for b in batches]
-    slope, intercept = (statistics.linear_regression(batches, outside) if len(batches) > 1
-                        else (0.0, outside[0]))
     rows = []
-    for b, measured in zip(batches, outside):
-        fitted = (intercept + slope * b) * 1e3
-        print(f"  decode batch {b:4d} (context {steps[b][1]}): step {steps[b][0] * 1e3:.2f} "
-              f"ms CPU, outside the ops {measured * 1e3:+.2f} ms, fitted {fitted:+.2f}",
-              flush=True)
-        parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": fitted,
+    for b, (seconds, ctx) in sorted(steps.items()):
+        outside = (seconds - ops.iteration(BatchShape.decode(b, ctx)).stage) * 1e3
+        print(f"  decode batch {b:4d} (context {ctx}): step {seconds * 1e3:.2f} ms CPU, "
+              f"outside the ops {outside:+.2f} ms", flush=True)
+        parts = {"schedule": 0.0, "sampler_e2e": 0.0, "prepare_inputs_e2e": outside,
                  "process_model_outputs": 0.0}
         rows.append({f"{k}_{s}": v for k, v in parts.items() for s in ("mean", "median")}
                     | {"model_name": spec.name, "batch_size": b, "tensor_parallel_degree": 1,
