@@ -3,6 +3,7 @@ batches by context."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,11 +11,14 @@ import torch
 from ..model import paged_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from ..sim.profile_csv import stat_columns, time_stats
-from .timing import cpu_ms
+from .timing import cpu_ms_interleaved
 
 MIN_CONTEXT, MAX_CONTEXT = 16, 2048
 COLD_BYTES = 128 << 20  # KV read between two calls of one case: more than the CPU caches
 BLOCK = 16
+# Small cases get more calls (a decode at 32 tokens of context takes ~50 us, and five calls
+# left its median three times its least): about as many as CALLS_TOKENS KV tokens read.
+CALLS_TOKENS = 4096
 # What decodes run in, as the cost model reads it (sim/profile_store.py): the kernel reads
 # each request's blocks in place, so a batch costs by its mean context; the torch path
 # gathers length groups padded to each group's longest.
@@ -36,8 +40,15 @@ def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
     cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
                         device=dev)
     backend = IN_PLACE if paged_decode.usable(cache) else GATHER
-    return [_attention_row(cfg, b, c, k, grid["repeats"], cache, layers, size)
-            | {"attention_backend": backend} for b, c, k in cases]
+    workspace = GatherWorkspace()  # one for every case, as the engine's layers share one
+    calls, rows = {}, []
+    for i, (b, c, k) in enumerate(cases):
+        fn, timed, row = _attention_case(cfg, b, c, k, cache, layers, size, workspace)
+        calls[i] = (fn, grid["repeats"] * max(1, CALLS_TOKENS // (b * (c + k))))
+        rows.append((timed, row | {"attention_backend": backend}))
+    # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
+    stats = cpu_ms_interleaved(calls, warmup=3)
+    return [row | stat_columns(timed, stats[i]) for i, (timed, row) in enumerate(rows)]
 
 
 def _blocks(chunk: int, cached: int) -> int:
@@ -56,15 +67,16 @@ def _copies(blocks: int, cfg: Any, layers: int, itemsize: int) -> int:
     return max(1, min(layers, -(-COLD_BYTES // nbytes)))
 
 
-def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int,
-                   cache: torch.Tensor, layers: int, itemsize: int) -> dict[str, Any]:
-    """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that context."""
+def _attention_case(cfg: Any, batch: int, chunk: int, cached: int, cache: torch.Tensor,
+                    layers: int, itemsize: int, workspace: GatherWorkspace
+                    ) -> tuple[Callable[[], Any], str, dict[str, Any]]:
+    """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that
+    context: its call, the column its time goes in, and the rest of its row."""
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = cache.device, cache.dtype
     prefill = chunk > 0
     per_seq = _blocks(chunk, cached)
     case = batch * per_seq
-    workspace = GatherWorkspace()  # shared by the case's batches, as by the engine's layers
     built = [AttentionMetadata.build(
         [(cached if prefill else cached - 1, chunk if prefill else 1,
           list(range(j * case + i * per_seq, j * case + (i + 1) * per_seq)))
@@ -76,17 +88,15 @@ def _attention_row(cfg: Any, batch: int, chunk: int, cached: int, repeats: int,
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
-    # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
-    s = cpu_ms(lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), repeats,
-               warmup=3)
     zero = time_stats([0.0])
     timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
                                                                      "attn_prefill")
     row = stat_columns("attn_input_reshape", zero) | stat_columns("attn_output_reshape", zero)
-    row |= stat_columns(timed, s) | {key: "" for key in stat_columns(blank, zero)}
-    return row | {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
-                  "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
-                  "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
-                  "profile_method": "cpu",
-                  # The kernel caps its calls by KV bytes on CPU only (0: not capped).
-                  "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}
+    row |= {key: "" for key in stat_columns(blank, zero)}
+    row |= {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
+            "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
+            "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
+            "profile_method": "cpu",
+            # The kernel caps its calls by KV bytes on CPU only (0: not capped).
+            "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}
+    return lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), timed, row

@@ -12,6 +12,7 @@ and again would stay in the CPU's caches.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,28 +20,38 @@ import torch
 from ..model.layers import apply_rope
 from ..model.linear import fuses_gate, silu_mul
 from ..sim.profile_csv import stat_columns, time_stats
-from .timing import cpu_ms
+from .timing import cpu_ms_interleaved
 
 LM_HEAD_MAX_ROWS = 256  # logits of more rows than requests in a batch are never computed
 # Small ops get more calls, so that few-token rows (a light load's decodes, a fraction of a
 # millisecond each) are medians of as many calls as a 64-token row is of tokens.
 CALLS_TOKENS = 64
-OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-       "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "lm_head")
 
 
 def profile_ops(model: Any, cfg: Any, grid: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each token-level op of layer 0 (and the embedding / LM head) at each token count."""
+    """Each token-level op of a layer (and the embedding / LM head) at each token count."""
     shape = {"n_head": cfg.num_attention_heads, "n_kv_head": cfg.num_key_value_heads,
              "n_embd": cfg.hidden_size, "n_expanded_embd": cfg.intermediate_size,
              "vocab_size": cfg.vocab_size, "use_gated_mlp": True,
              "num_tensor_parallel_workers": 1}
-    return [_ops_row(model, cfg, t, grid["repeats"] * max(1, CALLS_TOKENS // t)) | shape
-            | {"num_tokens": t} for t in grid["tokens"]]
+    layer = model.model.layers[0]  # the fused-gate check: every layer's alike
+    calls, rows = {}, {t: shape | {"num_tokens": t} for t in grid["tokens"]}
+    for t in grid["tokens"]:
+        for op, fn in _op_calls(model, cfg, t).items():
+            if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
+                rows[t] |= {k: "" for k in stat_columns(op, time_stats([0.0]))}
+            elif op == "mlp_act" and fuses_gate(layer.mlp.gate_up_proj.packed, t):
+                rows[t] |= stat_columns(op, time_stats([0.0]))
+            else:
+                calls[(t, op)] = (fn, grid["repeats"] * max(1, CALLS_TOKENS // t))
+    for (t, op), stats in cpu_ms_interleaved(calls).items():
+        rows[t] |= stat_columns(op, stats)
+    return list(rows.values())
 
 
-def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
-    layer = model.model.layers[0]  # shapes and the fused-gate check: every layer's alike
+def _op_calls(model: Any, cfg: Any, t: int) -> dict[str, Callable[[], Any]]:
+    """Each op's call on `t` tokens; a layer's op takes the next layer's module each call."""
+    layer = model.model.layers[0]  # shapes: every layer's alike
     nxt = itertools.cycle(model.model.layers).__next__
     attn, h, hd, inter = layer.self_attn, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     # A norm's weight: the embedding's may have gone to its packing (linear.repack).
@@ -53,24 +64,15 @@ def _ops_row(model: Any, cfg: Any, t: int, repeats: int) -> dict[str, Any]:
                      device=dev)
     up = torch.randn(t, 2 * inter, dtype=dt, device=dev)
     attn_out = torch.randn(t, attn.q_size, dtype=dt, device=dev)
-    fns = {"emb": lambda: model.model.embed_tokens(ids),
-           "input_layernorm": lambda: nxt().input_layernorm(x),
-           "attn_pre_proj": lambda: nxt().self_attn.qkv_proj(x),
-           "attn_rope": lambda: apply_rope(qk, cos, sin),
-           "attn_post_proj": lambda: nxt().self_attn.o_proj(attn_out),
-           # The engine adds the residual in the norm's pass (add_forward).
-           "post_attention_layernorm": lambda: nxt().post_attention_layernorm.add_forward(x, y),
-           "mlp_up_proj": lambda: nxt().mlp.gate_up_proj(x),
-           "mlp_act": lambda: silu_mul(up),
-           "mlp_down_proj": lambda: nxt().mlp.down_proj(up[:, :inter]),
-           "add": lambda: x + y,
-           "lm_head": lambda: model.compute_logits(x)}
-    row: dict[str, Any] = {}
-    for op in OPS:
-        if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
-            row |= {k: "" for k in stat_columns(op, time_stats([0.0]))}
-        elif op == "mlp_act" and fuses_gate(layer.mlp.gate_up_proj.packed, t):
-            row |= stat_columns(op, time_stats([0.0]))
-        else:
-            row |= stat_columns(op, cpu_ms(fns[op], repeats))
-    return row
+    return {"emb": lambda: model.model.embed_tokens(ids),
+            "input_layernorm": lambda: nxt().input_layernorm(x),
+            "attn_pre_proj": lambda: nxt().self_attn.qkv_proj(x),
+            "attn_rope": lambda: apply_rope(qk, cos, sin),
+            "attn_post_proj": lambda: nxt().self_attn.o_proj(attn_out),
+            # The engine adds the residual in the norm's pass (add_forward).
+            "post_attention_layernorm": lambda: nxt().post_attention_layernorm.add_forward(x, y),
+            "mlp_up_proj": lambda: nxt().mlp.gate_up_proj(x),
+            "mlp_act": lambda: silu_mul(up),
+            "mlp_down_proj": lambda: nxt().mlp.down_proj(up[:, :inter]),
+            "add": lambda: x + y,
+            "lm_head": lambda: model.compute_logits(x)}

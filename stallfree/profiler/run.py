@@ -22,16 +22,19 @@ from ..sim.profile_csv import write_csv
 # stallfree/attention_plan.py). So the decode grid is a list of token counts, read by each
 # batch size at context = tokens / batch (contexts 16 to 2048). Engine steps (for the time
 # outside the ops) are dense at small batches: a light load runs 1-8 decodes an iteration,
-# where the step time is far from linear in the batch size.
+# where the step time is far from linear in the batch size. A light load's predicted decode
+# is its batch's measured step plus attention's growth with context (cpu_overhead_rows), so
+# the steps get 20 calls a batch (7 left batch 1's median 1-2 ms apart between profiles).
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048],
         "chunks": [16, 64, 256, 512, 1024, 2048], "cached": [0, 256, 1024, 2048],
         "batches": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128],
         "decode_tokens": [32, 128, 512, 2048, 4096, 8192, 16384, 24576, 32768, 49152, 65536,
                           98304, 131072],
-        "step_batches": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "repeats": 5}
+        "step_batches": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "repeats": 5,
+        "step_repeats": 20}
 QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
          "batches": [1, 4], "decode_tokens": [32, 256, 1024], "step_batches": [1, 4],
-         "repeats": 2}
+         "repeats": 2, "step_repeats": 3}
 
 
 @dataclass
