@@ -164,6 +164,13 @@ def test_a_negative_host_time_comes_off_the_stage(tmp_path: Path):
     less = ProfiledCostModel(SMOL, CPU, root=tmp_path / "less").iteration(batch)
     assert base.cpu == less.cpu == 0.0
     assert less.stage == pytest.approx(base.stage - 0.5e-3)
+    # Measured on the whole model: a pipeline's stages share it, so an iteration counts it once.
+    base2, less2 = (ProfiledCostModel(SMOL, CPU, pp=2, root=tmp_path / name).iteration(batch)
+                    for name in ("none", "less"))
+    assert less2.total(2) == pytest.approx(base2.total(2) - 0.5e-3)
+    # However far below the ops a profile says a step is, no stage takes negative time.
+    write_cpu_profile(tmp_path / "absurd", "stallfree.paged_decode", host_ms=-1e6)
+    assert ProfiledCostModel(SMOL, CPU, root=tmp_path / "absurd").iteration(batch).stage == 0.0
 
 
 def test_the_time_outside_the_ops_keeps_its_sign(tmp_path: Path):

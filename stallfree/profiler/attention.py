@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,14 +42,13 @@ def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
                         device=dev)
     backend = IN_PLACE if paged_decode.usable(cache) else GATHER
     workspace = GatherWorkspace()  # one for every case, as the engine's layers share one
-    calls, rows = {}, []
-    for i, (b, c, k) in enumerate(cases):
-        fn, timed, row = _attention_case(cfg, b, c, k, cache, layers, size, workspace)
-        calls[i] = (fn, grid["repeats"] * max(1, CALLS_TOKENS // (b * (c + k))))
-        rows.append((timed, row | {"attention_backend": backend}))
+    calls = {case: (partial(_attention_call, cfg, *case, cache, layers, size, workspace),
+                    grid["repeats"] * max(1, CALLS_TOKENS // (case[0] * (case[1] + case[2]))))
+             for case in cases}
     # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
     stats = cpu_ms_interleaved(calls, warmup=3)
-    return [row | stat_columns(timed, stats[i]) for i, (timed, row) in enumerate(rows)]
+    return [_row(cfg, *case, size, dev) | stat_columns(_timed(case[1]), stats[case])
+            | {"attention_backend": backend} for case in cases]
 
 
 def _blocks(chunk: int, cached: int) -> int:
@@ -67,11 +67,11 @@ def _copies(blocks: int, cfg: Any, layers: int, itemsize: int) -> int:
     return max(1, min(layers, -(-COLD_BYTES // nbytes)))
 
 
-def _attention_case(cfg: Any, batch: int, chunk: int, cached: int, cache: torch.Tensor,
+def _attention_call(cfg: Any, batch: int, chunk: int, cached: int, cache: torch.Tensor,
                     layers: int, itemsize: int, workspace: GatherWorkspace
-                    ) -> tuple[Callable[[], Any], str, dict[str, Any]]:
-    """One prefill chunk (chunk > 0) after `cached` tokens, or `batch` decodes at that
-    context: its call, the column its time goes in, and the rest of its row."""
+                    ) -> Callable[[], Any]:
+    """The call of one prefill chunk (chunk > 0) after `cached` tokens, or of `batch` decodes
+    at that context, its metadata built."""
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = cache.device, cache.dtype
     prefill = chunk > 0
@@ -88,15 +88,24 @@ def _attention_case(cfg: Any, batch: int, chunk: int, cached: int, cache: torch.
     n = chunk if prefill else batch
     q = torch.randn(n, hq, hd, dtype=dt, device=dev)
     k, v = (torch.randn(n, hkv, hd, dtype=dt, device=dev) for _ in range(2))
+    return lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5)
+
+
+def _timed(chunk: int) -> str:
+    return "attn_prefill" if chunk > 0 else "attn_decode"
+
+
+def _row(cfg: Any, batch: int, chunk: int, cached: int, itemsize: int, dev: torch.device
+         ) -> dict[str, Any]:
+    """A case's row but its time."""
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     zero = time_stats([0.0])
-    timed, blank = ("attn_prefill", "attn_decode") if prefill else ("attn_decode",
-                                                                     "attn_prefill")
+    blank = "attn_decode" if chunk > 0 else "attn_prefill"
     row = stat_columns("attn_input_reshape", zero) | stat_columns("attn_output_reshape", zero)
-    row |= {key: "" for key in stat_columns(blank, zero)}
-    row |= {"n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
-            "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
-            "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": prefill,
-            "profile_method": "cpu",
-            # The kernel caps its calls by KV bytes on CPU only (0: not capped).
-            "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}
-    return lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5), timed, row
+    return row | {key: "" for key in stat_columns(blank, zero)} | {
+        "n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
+        "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
+        "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": chunk > 0,
+        "profile_method": "cpu",
+        # The kernel caps its calls by KV bytes on CPU only (0: not capped).
+        "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}

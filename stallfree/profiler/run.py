@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, option
+from ..sim import profile_store as P
 from ..sim.cost_model import BatchShape, ProfiledCostModel
 from ..sim.hardware import GpuSpec, ModelSpec
 from ..sim.profile_csv import write_csv
@@ -116,8 +117,11 @@ def cpu_overhead_rows(steps: dict[int, tuple[float, int]], spec: ModelSpec,
     the difference also cancels the noise of the ops at that token count, so a decode batch
     is predicted at its measured step (docs/simulation.md compares the two).
     """
-    # An earlier profile's host times would count in the stage (when negative): not ours.
+    # An earlier profile's host times would count in the stage (when negative), and files
+    # read before under these paths are cached: only what was just written may count.
     (folder / "cpu_overheads.csv").unlink(missing_ok=True)
+    for load in (P.load_mlp, P.load_attention, P.load_cpu):
+        load.cache_clear()
     ops = ProfiledCostModel(spec, GpuSpec(folder.name, 0, 1e12, 1e10, 1e10, None),
                             root=folder.parent, slowdown=1.0)  # CPU seconds, as measured
     rows = []

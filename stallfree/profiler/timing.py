@@ -14,17 +14,19 @@ from ..sim.profile_csv import time_stats
 PASSES = 3
 
 
-def cpu_ms_interleaved(calls: dict[Hashable, tuple[Callable[[], Any], int]], warmup: int = 1
-                       ) -> dict[Hashable, dict[str, float]]:
-    """CPU milliseconds of each (fn, repeats) (all threads of this process: other processes
-    don't count), in PASSES passes over all of them, each pass making a share of every fn's
-    calls: the stats of each fn pool its passes."""
-    for fn, _ in calls.values():
-        for _ in range(warmup):  # first calls allocate
-            fn()
+def cpu_ms_interleaved(calls: dict[Hashable, tuple[Callable[[], Callable[[], Any]], int]],
+                       warmup: int = 1) -> dict[Hashable, dict[str, float]]:
+    """CPU milliseconds of each call (all threads of this process: other processes don't
+    count), in PASSES passes over all of them, each pass making a share of every call's
+    `repeats`: the stats of each pool its passes. A call comes as (make, repeats): make()
+    builds its inputs and returns it, in each pass afresh, so that only one call's inputs
+    live at a time; its first `warmup` calls there are not timed (they allocate)."""
     samples: dict[Hashable, list[float]] = {key: [] for key in calls}
     for _ in range(PASSES):
-        for key, (fn, repeats) in calls.items():
+        for key, (make, repeats) in calls.items():
+            fn = make()
+            for _ in range(warmup):
+                fn()
             samples[key] += _samples(fn, -(-repeats // PASSES))
     return {key: time_stats(ms) for key, ms in samples.items()}
 

@@ -300,9 +300,11 @@ class ProfiledCostModel:
         if self._cpu is not None:
             cpu += self._cpu.time(self._cpu_key, b.num_seqs, self.tp * self.pp > 1)
         # A measured CPU's host time is its steps less its ops (stallfree/profiler/run.py):
-        # negative where the engine runs its layers for less than the ops timed one by one,
-        # which corrects the stage, never a time of its own.
-        stage, cpu = stage + min(cpu, 0.0), max(cpu, 0.0)
+        # negative where the engine runs its layers for less than the ops timed one by one.
+        # That corrects the stage (a stage's share of it: it was measured on the whole
+        # model), never a time of its own, and never below nothing.
+        share = self.layers_per_stage / self.model.num_layers
+        stage, cpu = max(stage + min(cpu, 0.0) * share, 0.0), max(cpu, 0.0)
         k = self.slowdown
         return IterationCost(cpu * k, stage * k, self._send(tokens))
 
