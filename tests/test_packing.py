@@ -143,4 +143,3 @@ def test_a_tied_embedding_is_packed_only_on_the_stage_that_computes_logits(stage
     held = model.held_bytes()
     assert held["plain beside packings"] == 0
     assert held["other"] == sum(p.nbytes for p in model.parameters())
-

@@ -42,13 +42,12 @@ def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
                         device=dev)
     backend = IN_PLACE if paged_decode.usable(cache) else GATHER
     workspace = GatherWorkspace()  # one for every case, as the engine's layers share one
-    calls = {case: (partial(_attention_call, cfg, *case, cache, layers, size, workspace),
-                    grid["repeats"] * max(1, CALLS_TOKENS // (case[0] * (case[1] + case[2]))))
-             for case in cases}
+    calls = {(b, c, k): (partial(_attention_call, cfg, b, c, k, cache, layers, size, workspace),
+                         grid["repeats"] * max(1, CALLS_TOKENS // (b * (c + k))))
+             for b, c, k in cases}
     # Warm-up calls grow the gather workspace and settle the CPU caches, as in a running engine.
     stats = cpu_ms_interleaved(calls, warmup=3)
-    return [_row(cfg, *case, size, dev) | stat_columns(_timed(case[1]), stats[case])
-            | {"attention_backend": backend} for case in cases]
+    return [_row(cfg, *case, stats[case], size, dev, backend) for case in cases]
 
 
 def _blocks(chunk: int, cached: int) -> int:
@@ -91,21 +90,18 @@ def _attention_call(cfg: Any, batch: int, chunk: int, cached: int, cache: torch.
     return lambda: paged_attention(q, k, v, cache, next(metas), hd ** -0.5)
 
 
-def _timed(chunk: int) -> str:
-    return "attn_prefill" if chunk > 0 else "attn_decode"
-
-
-def _row(cfg: Any, batch: int, chunk: int, cached: int, itemsize: int, dev: torch.device
-         ) -> dict[str, Any]:
-    """A case's row but its time."""
+def _row(cfg: Any, batch: int, chunk: int, cached: int, stats: dict[str, float],
+         itemsize: int, dev: torch.device, backend: str) -> dict[str, Any]:
+    """A case's row: its time under attn_prefill (chunk > 0) or attn_decode, the other blank."""
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     zero = time_stats([0.0])
-    blank = "attn_decode" if chunk > 0 else "attn_prefill"
+    timed, blank = ("attn_prefill", "attn_decode") if chunk > 0 else ("attn_decode",
+                                                                      "attn_prefill")
     row = stat_columns("attn_input_reshape", zero) | stat_columns("attn_output_reshape", zero)
-    return row | {key: "" for key in stat_columns(blank, zero)} | {
+    return row | stat_columns(timed, stats) | {key: "" for key in stat_columns(blank, zero)} | {
         "n_embd": hq * hd, "n_q_head": hq, "n_kv_head": hkv, "block_size": BLOCK,
         "num_tensor_parallel_workers": 1, "max_model_len": 4096, "batch_size": batch,
         "prefill_chunk_size": chunk, "kv_cache_size": cached, "is_prefill": chunk > 0,
-        "profile_method": "cpu",
+        "attention_backend": backend, "profile_method": "cpu",
         # The kernel caps its calls by KV bytes on CPU only (0: not capped).
         "kv_dtype_bytes": itemsize if dev.type == "cpu" else 0}
