@@ -61,7 +61,7 @@ def test_half_precision_caches_are_as_close_as_their_rounding(dtype, heads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("split", [0, 16, 48, 256, AUTO_SPLIT])
 def test_requests_cut_into_parts_merge_to_the_same_result(threads, split):
     batch = Batch((9, 3, 64))
@@ -83,6 +83,31 @@ def test_requests_cut_into_parts_merge_to_the_same_result(threads, split):
     # The reference wrote new K/V into each last slot; compare rows against a fresh run.
     assert rel_err(paged_decode(q, batch.cache, meta.decode_block_tables,
                                  meta.decode_context_lens, 0.125, split), ref) < FP32_TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_spans_per_thread_skip_requests_without_context(threads):
+    # Empty requests between others, and spans that end inside one request and begin
+    # inside the next: each thread's share cuts across request boundaries.
+    batch = Batch((9, 3, 64))
+    seqs = batch.decodes([50, 90, 70, 200])
+    meta = AttentionMetadata.build(seqs, 16, "cpu")
+    lens = meta.decode_context_lens.clone()
+    lens[1] = 0
+    lens = torch.cat([lens[:3], torch.zeros(1, dtype=torch.int64), lens[3:]])
+    tables = torch.cat([meta.decode_block_tables[:3], meta.decode_block_tables[:1],
+                        meta.decode_block_tables[3:]])
+    q = batch.qkv(len(lens))[0]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spans = paged_decode(q, batch.cache, tables, lens, 0.125, AUTO_SPLIT)
+    finally:
+        torch.set_num_threads(saved)
+    whole = paged_decode(q, batch.cache, tables, lens, 0.125, 0)
+    assert rel_err(spans, whole) < FP32_TOL
+    assert torch.count_nonzero(spans[1]) == torch.count_nonzero(spans[3]) == 0
 
 
 @needs_kernel

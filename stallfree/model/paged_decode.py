@@ -17,7 +17,7 @@ from .kernels import LIBRARY, KernelSwitch
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel is instantiated for (small
 # ones for the test models)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Engine calls let the kernel size its work items by the threads it runs on.
+# Engine calls let the kernel cut the batch's tokens into one span per thread.
 AUTO_SPLIT = -1
 SWITCH = KernelSwitch("STALLFREE_PAGED_DECODE")
 TILES = KernelSwitch("STALLFREE_AMX_ATTENTION")
@@ -42,7 +42,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     """q [B, Hq, D] against one layer's cache [2, blocks, block_size, Hkv, D]: row i sees
     its first context_lens[i] tokens through block_tables[i] (int64). Returns [B, Hq, D].
 
-    `split`: tokens per work item (0: whole requests; AUTO_SPLIT: sized by the threads).
+    `split`: tokens per work item (0: whole requests; AUTO_SPLIT: one span per thread).
     `tiles`: scores in AMX tiles where the CPU and shapes allow (default: the switch).
     """
     if not LIBRARY.load():

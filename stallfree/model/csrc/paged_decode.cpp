@@ -11,9 +11,10 @@
 // one computes, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
-// item with its own softmax state; items are dealt out to the threads by token count, so
-// one long request among short ones does not leave a core idle, and the parts of a
-// request are merged at the end. One parallel region per call, whatever the batch.
+// item with its own softmax state; each thread takes an equal share of the batch's tokens
+// (deal_spans), so one long request among short ones does not leave a core idle, and the
+// parts of a request are merged at the end. One parallel region per call, whatever the
+// batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -179,29 +180,65 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
   }
 }
 
-// Items of every request in row order, each at most `split` tokens.
-std::vector<Item> make_items(const int64_t* lens, int64_t rows, int64_t split) {
+// Work items in row order, and where each thread's run of them starts (first[t], first[t+1]).
+struct Deal {
   std::vector<Item> items;
+  std::vector<int64_t> first;
+};
+
+// split > 0: items of at most `split` tokens (0: whole requests), dealt out to the threads
+// in runs of about equal tokens (+ a block per item for its query and merge).
+Deal deal_fixed(const int64_t* lens, int64_t rows, int64_t split, int64_t block_size) {
+  if (split == 0) split = std::numeric_limits<int64_t>::max() / 4;
+  split = (split + kLanes - 1) / kLanes * kLanes;
+  Deal d;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < lens[r]; t += split)
-      items.push_back({r, t, std::min(lens[r], t + split)});
-  return items;
+      d.items.push_back({r, t, std::min(lens[r], t + split)});
+  const int64_t n = static_cast<int64_t>(d.items.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  d.first.assign(threads + 1, n);
+  int64_t total = 0;
+  for (const Item& it : d.items) total += it.end - it.begin + block_size;
+  int64_t acc = 0, th = 0;
+  d.first[0] = 0;
+  for (int64_t i = 0; i < n && th + 1 < threads; ++i) {
+    acc += d.items[i].end - d.items[i].begin + block_size;
+    while (th + 1 < threads && acc * threads >= total * (th + 1)) d.first[++th] = i + 1;
+  }
+  return d;
 }
 
-// Tokens per work item. split < 0: automatic: whole requests on one thread; with more
-// threads, parts of about 1/8 of a thread's share (at least 64 tokens), so the deal by
-// token count is even to within ~1/8. 0: whole requests. Rounded up to 16 tokens.
-int64_t part_tokens(int64_t split, const int64_t* lens, int64_t rows) {
-  const int64_t whole = std::numeric_limits<int64_t>::max() / 4;
-  if (split < 0) {
-    const int64_t threads = at::get_num_threads();
-    if (threads <= 1) return whole;
-    int64_t total = 0;
-    for (int64_t r = 0; r < rows; ++r) total += lens[r];
-    split = std::max<int64_t>(64, total / (8 * threads));
+// Automatic: the batch's tokens, requests end to end, cut into one equal span per thread
+// (at multiples of kLanes), and each span into its requests' parts. Each thread then walks
+// as few items as the requests allow: an item's first tile is read without a tile ahead
+// of it, and its softmax state is set up and merged. On a 2-core EPYC (cache in DRAM) this
+// took 0.80-0.87x the time of items of 1/8 of a thread's share at 1-4 requests of 512
+// tokens and one of 2,048 (docs/benchmarks.md). Spans of fewer than kMinSpan tokens
+// are not worth a thread.
+constexpr int64_t kMinSpan = 64;
+
+Deal deal_spans(const int64_t* lens, int64_t rows) {
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows; ++r) total += lens[r];
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kMinSpan));
+  Deal d;
+  d.first.push_back(0);
+  int64_t row = 0, row_start = 0;  // the request holding token `at`, where it starts
+  for (int64_t t = 0; t < threads; ++t) {
+    int64_t at = t == 0 ? 0 : (total * t / threads + kLanes / 2) / kLanes * kLanes;
+    const int64_t end =
+        t + 1 == threads ? total : (total * (t + 1) / threads + kLanes / 2) / kLanes * kLanes;
+    while (at < end) {
+      while (row_start + lens[row] <= at) row_start += lens[row++];  // skips empty requests
+      const int64_t stop = std::min(end, row_start + lens[row]);
+      d.items.push_back({row, at - row_start, stop - row_start});
+      at = stop;
+    }
+    d.first.push_back(static_cast<int64_t>(d.items.size()));
   }
-  if (split == 0) return whole;
-  return (split + kLanes - 1) / kLanes * kLanes;
+  return d;
 }
 
 // The query as the tile path takes it: bf16, unscaled ([B, Hq, D] contiguous), or null
@@ -217,27 +254,17 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
   const int64_t H = s.heads, D = s.dim;
   const T* k_cache = cache;
   const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
-  std::vector<Item> items = make_items(lens, rows, split);
+  const Deal deal = split < 0 ? deal_spans(lens, rows) : deal_fixed(lens, rows, split,
+                                                                    s.block_size);
+  const std::vector<Item>& items = deal.items;
+  const std::vector<int64_t>& first = deal.first;
   const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = static_cast<int64_t>(first.size()) - 1;
   std::vector<float> state(n * H * (D + 2));
   auto partial = [&](int64_t i) {
     float* p = state.data() + i * H * (D + 2);
     return Partial{p, p + H, p + 2 * H};
   };
-  // Deal items to threads by tokens (+ a fixed cost per item for its query and merge).
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<int64_t> first(threads + 1, n);
-  {
-    int64_t total = 0;
-    for (const Item& it : items) total += it.end - it.begin + s.block_size;
-    int64_t acc = 0, th = 0;
-    first[0] = 0;
-    for (int64_t i = 0; i < n && th + 1 < threads; ++i) {
-      acc += items[i].end - items[i].begin + s.block_size;
-      while (th + 1 < threads && acc * threads >= total * (th + 1)) first[++th] = i + 1;
-    }
-    for (++th; th < threads; ++th) first[th] = n;
-  }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
 #ifdef STALLFREE_AMX
     if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
@@ -305,7 +332,7 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
 // q [B, Hq, D] (last dim contiguous), kv_cache [2, num_blocks, block_size, Hkv, D]
 // contiguous, block_tables [B, max_blocks] int64, context_lens [B] int64 (keys each query
 // sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
-// (see part_tokens; -1 in the engine). `tiles`: scores in AMX tiles where the CPU and the
+// (deal_fixed; 0: whole requests), or -1 (the engine's): a span per thread (deal_spans). `tiles`: scores in AMX tiles where the CPU and the
 // shapes allow it (paged_decode_amx.h), else the vector path.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -334,7 +361,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
               "paged_decode: unsupported query dtype ", q_type);
   at::Tensor out = at::empty({rows, s.heads, s.dim}, q.options());
   if (rows == 0) return out;
-  split = part_tokens(split, lens, rows);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   // The query as the path taking it wants it: a bf16 contiguous copy, unscaled, for the
   // tiles; q as it is for the vectors (rows and heads at any stride, dims contiguous).
