@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stallfree.model import (
     AttentionMetadata,
@@ -193,6 +195,21 @@ def test_metadata_slot_mapping():
     assert meta.slot_mapping.tolist() == [22, 23, 4, 30]
     assert meta.num_prefill_tokens == 3 and meta.prefill_context_lens == [5]
     assert meta.decode_context_lens.tolist() == [7]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6),
+       st.sampled_from([1, 4, 16]), st.randoms(use_true_random=False))
+def test_metadata_slot_mapping_is_each_tokens_block_and_offset(spans, block_size, rng):
+    seqs = []
+    for start, count in sorted(spans, key=lambda s: s[1] == 1):  # prefills before decodes
+        table = rng.sample(range(500), -(-(start + count) // block_size))
+        seqs.append((start, count, table))
+    meta = AttentionMetadata.build(seqs, block_size, "cpu")
+    expect = [table[p // block_size] * block_size + p % block_size
+              for start, count, table in seqs for p in range(start, start + count)]
+    assert meta.slot_mapping.tolist() == expect
+    assert meta.slot_mapping.dtype == torch.int64
 
 
 def test_kv_cache_shape_and_bytes():
