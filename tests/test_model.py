@@ -228,3 +228,17 @@ def test_config_from_hf_rejects_unknown_rope_and_arch():
         ModelConfig.from_hf_config(dict(base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelConfig.from_hf_config(dict(base, architectures=["GPT2LMHeadModel"]))
+
+
+def test_clean_kv_blocks_zeroes_only_blocks_a_chunk_starts_and_leaves_part_unwritten():
+    from stallfree.executor.model_runner import clean_kv_blocks
+
+    cache = torch.full((2, 2, 8, BLOCK_SIZE, 1, 2), float("nan"))
+    seqs = [(0, 6, [1, 2]),  # fills block 1, starts block 2 and leaves half of it: clean 2
+            (4, 4, [3, 4]),  # fills block 4 exactly: nothing to clean
+            (9, 1, [5, 6, 7]),  # a decode inside block 7, begun by an earlier chunk
+            (12, 1, [0, 0, 0, 6])]  # a decode starting block 6: clean it
+    clean_kv_blocks(cache, seqs, BLOCK_SIZE)
+    zeroed = [b for b in range(8) if torch.equal(cache[:, :, b], torch.zeros_like(cache[:, :, b]))]
+    assert zeroed == [2, 6]
+    assert torch.isnan(cache[:, :, [0, 1, 3, 4, 5, 7]]).all()

@@ -119,11 +119,9 @@ def clean_kv_blocks(kv_cache: torch.Tensor, seqs: list[tuple[int, int, list[int]
     every later token. Blocks a chunk fills completely are overwritten anyway, and a
     block begun by an earlier chunk has only this request's data.
     """
-    fresh = []
     for start, num_tokens, table in seqs:
         end = start + num_tokens
         last = (end - 1) // block_size
         if end % block_size and last * block_size >= start:
-            fresh.append(table[last])
-    if fresh:
-        kv_cache[:, :, fresh] = 0
+            # A view per block: an index_put of the batch's blocks took ~6x as long.
+            kv_cache[:, :, table[last]].zero_()
