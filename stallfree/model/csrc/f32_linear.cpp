@@ -34,13 +34,17 @@ namespace {
 // A micro-block's accumulators, the block rows of W and the broadcast value of x fill the
 // registers: 12 rows x two blocks (24 + 2 + 1 of 32 zmm), or in AVX2 6 rows x one block
 // (12 + 2 + 1 of 16 ymm; two blocks of 3 rows, whose W then came from memory at every
-// FMA, took 1.04-1.06x as long at 128-512 rows).
+// FMA, took 1.04-1.06x as long at 128-512 rows). Micro-blocks of up to kPairRows rows take
+// two blocks in any build: at a decode step's few rows the matmul streams W, and two
+// blocks per pass keep twice the loads and independent sums in flight (in an AVX2 build on
+// a 2-core EPYC, 1.15-1.24x faster at 1-6 rows, though 3-4 rows spill a few of the 16
+// ymm; docs/benchmarks.md).
 #ifdef __AVX512F__
 constexpr int kMicroRows = 12;
-constexpr bool kBlockPairs = true;
+constexpr int kPairRows = kMicroRows;
 #else
 constexpr int kMicroRows = 6;
-constexpr bool kBlockPairs = false;
+constexpr int kPairRows = 4;
 #endif
 constexpr int kBlock = 16;                  // columns per packed block
 constexpr int kParts = kBlock / kWidth;     // registers per block row
@@ -109,7 +113,7 @@ void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_be
       const int n = static_cast<int>(std::min<int64_t>(kMicroRows, row_end - r0));
       const float* ask = r0 == row_begin ? next : nullptr;
       const float* xr = x + r0 * k_dim;
-      if (two && kBlockPairs) {
+      if (two && n <= kPairRows) {
         micro_block_any<true>(n, xr, k_dim, w0, w0 + block, k_dim, acc, ask);
       } else {
         micro_block_any<false>(n, xr, k_dim, w0, nullptr, k_dim, acc, ask);
