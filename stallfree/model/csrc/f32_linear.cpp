@@ -34,16 +34,20 @@ namespace {
 // A micro-block's accumulators, the block rows of W and the broadcast value of x fill the
 // registers: 12 rows x two blocks (24 + 2 + 1 of 32 zmm), or in AVX2 6 rows x one block
 // (12 + 2 + 1 of 16 ymm; two blocks of 3 rows, whose W then came from memory at every
-// FMA, took 1.04-1.06x as long at 128-512 rows). Micro-blocks of up to kPairRows rows take
-// two blocks in any build: at a decode step's few rows the matmul streams W, and two
-// blocks per pass keep twice the loads and independent sums in flight (in an AVX2 build on
-// a 2-core EPYC, 1.15-1.24x faster at 1-6 rows, though 3-4 rows spill a few of the 16
-// ymm; docs/benchmarks.md).
+// FMA, took 1.04-1.06x as long at 128-512 rows). A call of at most kPairRows rows takes two
+// blocks per micro-block in any build: at a decode step's few rows the matmul streams W,
+// and two blocks per pass keep twice the loads and independent sums in flight (in an AVX2
+// build on a 2-core EPYC, 1.15-1.24x faster at 1-4 rows, though 3-4 rows spill a few of
+// the 16 ymm). It is its own instantiation of column_blocks: with both micro-blocks
+// reachable in one function, GCC 12 compiled the AVX2 build's 6-row path into one that
+// took twice as long at 32-512 rows (docs/benchmarks.md).
 #ifdef __AVX512F__
 constexpr int kMicroRows = 12;
+constexpr bool kBlockPairs = true;
 constexpr int kPairRows = kMicroRows;
 #else
 constexpr int kMicroRows = 6;
+constexpr bool kBlockPairs = false;
 constexpr int kPairRows = 4;
 #endif
 constexpr int kBlock = 16;                  // columns per packed block
@@ -99,7 +103,9 @@ inline void micro_block_any(int rows, const float* x, int64_t lda, const float* 
 
 // Rows [row_begin, row_end) of x [rows, k_dim] against column blocks [col_begin, col_end).
 // Gated: the blocks alternate gate and up (f32_pack of a `gated` weight), and each pair's
-// silu(gate) * up goes to out's column block c / 2 (out has n / 2 columns).
+// silu(gate) * up goes to out's column block c / 2 (out has n / 2 columns). Pairs: micro-blocks
+// take two blocks (of at most kPairRows rows where the build does not always pair them).
+template <bool Pairs>
 void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_begin,
                    int64_t col_end, int64_t row_begin, int64_t row_end, float* out,
                    int64_t ld, bool gated) {
@@ -113,8 +119,8 @@ void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_be
       const int n = static_cast<int>(std::min<int64_t>(kMicroRows, row_end - r0));
       const float* ask = r0 == row_begin ? next : nullptr;
       const float* xr = x + r0 * k_dim;
-      if (two && n <= kPairRows) {
-        micro_block_any<true>(n, xr, k_dim, w0, w0 + block, k_dim, acc, ask);
+      if (Pairs && two) {
+        micro_block_any<true, kPairRows>(n, xr, k_dim, w0, w0 + block, k_dim, acc, ask);
       } else {
         micro_block_any<false>(n, xr, k_dim, w0, nullptr, k_dim, acc, ask);
         if (two)  // its sums in acc's second half, as the pair's would be
@@ -170,8 +176,13 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const int64_t chunk = std::max<int64_t>(
       kMicroRows, kChunkBytes / (k * int64_t(sizeof(float))) / kMicroRows * kMicroRows);
   by_column_pairs(n / kBlock, [&](int64_t c0, int64_t c1) {
-    for (int64_t r = 0; r < rows; r += chunk)
-      column_blocks(xa, k, wa, c0, c1, r, std::min(rows, r + chunk), oa, ld, gated);
+    for (int64_t r = 0; r < rows; r += chunk) {
+      const int64_t end = std::min(rows, r + chunk);
+      if (rows <= kPairRows)
+        column_blocks<true>(xa, k, wa, c0, c1, r, end, oa, ld, gated);
+      else
+        column_blocks<kBlockPairs>(xa, k, wa, c0, c1, r, end, oa, ld, gated);
+    }
   });
   return out;
 }
