@@ -49,8 +49,8 @@ Deal deal_fixed(const int64_t* lens, int64_t rows, int64_t split, int64_t block_
 // as few items as the requests allow: an item's first tile is read without a tile ahead
 // of it, and its softmax state is set up and merged. On a 2-core EPYC (cache in DRAM) this
 // took 0.81-0.97x the time of items of 1/8 of a thread's share at 1-8 requests of 512
-// tokens and one of 2,048, the same from ~16 requests (docs/benchmarks.md). Spans of fewer than kMinSpan tokens
-// are not worth a thread.
+// tokens and one of 2,048, the same from ~16 requests (docs/benchmarks.md). Spans of fewer
+// than kMinSpan tokens are not worth a thread.
 constexpr int64_t kMinSpan = 64;
 
 Deal deal_spans(const int64_t* lens, int64_t rows) {
