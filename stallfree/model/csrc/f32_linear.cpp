@@ -50,6 +50,7 @@ constexpr int kMicroRows = 6;
 constexpr bool kBlockPairs = false;
 constexpr int kPairRows = 4;
 #endif
+static_assert(kPairRows <= kMicroRows, "a paired call's rows fit one micro-block");
 constexpr int kBlock = 16;                  // columns per packed block
 constexpr int kParts = kBlock / kWidth;     // registers per block row
 constexpr int64_t kChunkBytes = 384 << 10;  // x rows held in L2 at once

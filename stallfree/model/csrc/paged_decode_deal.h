@@ -44,13 +44,14 @@ Deal deal_fixed(const int64_t* lens, int64_t rows, int64_t split, int64_t block_
   return d;
 }
 
-// Automatic: the batch's tokens, requests end to end, cut into one equal span per thread
-// (at multiples of kLanes), and each span into its requests' parts. Each thread then walks
-// as few items as the requests allow: an item's first tile is read without a tile ahead
-// of it, and its softmax state is set up and merged. On a 2-core EPYC (cache in DRAM) this
-// took 0.81-0.97x the time of items of 1/8 of a thread's share at 1-8 requests of 512
-// tokens and one of 2,048, the same from ~16 requests (docs/benchmarks.md). Spans of fewer
-// than kMinSpan tokens are not worth a thread.
+// Automatic: the batch's tokens, requests end to end, cut into one equal span per thread,
+// and each span into its requests' parts. Each thread then walks as few items as the
+// requests allow: an item's first tile is read without a tile ahead of it, and its softmax
+// state is set up and merged. On a 2-core EPYC (cache in DRAM) this took 0.81-0.97x the
+// time of items of 1/8 of a thread's share at 1-8 requests of 512 tokens and one of 2,048,
+// the same from ~16 requests (docs/benchmarks.md). Spans of fewer than kMinSpan tokens are
+// not worth a thread. A cut inside a request falls on a multiple of kLanes of its own
+// tokens: the AMX path reads 16-token tiles that must lie within one block.
 constexpr int64_t kMinSpan = 64;
 
 Deal deal_spans(const int64_t* lens, int64_t rows) {
@@ -58,16 +59,22 @@ Deal deal_spans(const int64_t* lens, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) total += lens[r];
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kMinSpan));
+  // cuts[t]: where thread t's span begins, in the batch's tokens.
+  std::vector<int64_t> cuts(threads + 1, total);
+  cuts[0] = 0;
+  for (int64_t t = 1, row = 0, row_start = 0; t < threads; ++t) {
+    const int64_t even = total * t / threads;
+    while (row_start + lens[row] <= even) row_start += lens[row++];  // skips empty requests
+    const int64_t local = std::min(lens[row], (even - row_start + kLanes / 2) / kLanes * kLanes);
+    cuts[t] = std::max(cuts[t - 1], row_start + local);
+  }
   Deal d;
   d.first.push_back(0);
   int64_t row = 0, row_start = 0;  // the request holding token `at`, where it starts
   for (int64_t t = 0; t < threads; ++t) {
-    int64_t at = t == 0 ? 0 : (total * t / threads + kLanes / 2) / kLanes * kLanes;
-    const int64_t end =
-        t + 1 == threads ? total : (total * (t + 1) / threads + kLanes / 2) / kLanes * kLanes;
-    while (at < end) {
-      while (row_start + lens[row] <= at) row_start += lens[row++];  // skips empty requests
-      const int64_t stop = std::min(end, row_start + lens[row]);
+    for (int64_t at = cuts[t]; at < cuts[t + 1];) {
+      while (row_start + lens[row] <= at) row_start += lens[row++];
+      const int64_t stop = std::min(cuts[t + 1], row_start + lens[row]);
       d.items.push_back({row, at - row_start, stop - row_start});
       at = stop;
     }
