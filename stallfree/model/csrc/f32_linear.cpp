@@ -50,7 +50,7 @@ constexpr int kMicroRows = 6;
 constexpr bool kBlockPairs = false;
 constexpr int kPairRows = 4;
 #endif
-static_assert(kPairRows <= kMicroRows, "a paired call's rows fit one micro-block");
+static_assert(kPairRows <= kMicroRows, "a paired micro-block fits the accumulators");
 constexpr int kBlock = 16;                  // columns per packed block
 constexpr int kParts = kBlock / kWidth;     // registers per block row
 constexpr int64_t kChunkBytes = 384 << 10;  // x rows held in L2 at once
@@ -104,20 +104,21 @@ inline void micro_block_any(int rows, const float* x, int64_t lda, const float* 
 
 // Rows [row_begin, row_end) of x [rows, k_dim] against column blocks [col_begin, col_end).
 // Gated: the blocks alternate gate and up (f32_pack of a `gated` weight), and each pair's
-// silu(gate) * up goes to out's column block c / 2 (out has n / 2 columns). Pairs: micro-blocks
-// take two blocks (of at most kPairRows rows where the build does not always pair them).
+// silu(gate) * up goes to out's column block c / 2 (out has n / 2 columns). Pairs:
+// micro-blocks of up to kPairRows rows, each against two blocks.
 template <bool Pairs>
 void column_blocks(const float* x, int64_t k_dim, const float* w, int64_t col_begin,
                    int64_t col_end, int64_t row_begin, int64_t row_end, float* out,
                    int64_t ld, bool gated) {
+  constexpr int kRows = Pairs ? kPairRows : kMicroRows;  // rows per micro-block
   alignas(64) float acc[kMicroRows * 2 * kBlock];
   const int64_t block = k_dim * kBlock;
   for (int64_t c = col_begin; c < col_end; c += 2) {
     const bool two = c + 1 < col_end;
     const float* w0 = w + c * block;
     const float* next = c + 2 < col_end ? w0 + 2 * block : nullptr;
-    for (int64_t r0 = row_begin; r0 < row_end; r0 += kMicroRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kMicroRows, row_end - r0));
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, row_end - r0));
       const float* ask = r0 == row_begin ? next : nullptr;
       const float* xr = x + r0 * k_dim;
       if (Pairs && two) {
