@@ -181,10 +181,15 @@ def main() -> None:
     # against them: on a shared machine the read rate swings (41 against 62 GB/s between two
     # runs minutes apart on a 2-core EPYC), and a step must be judged against what the
     # memory gave at that time. The table shows the medians over the rounds.
+    # Attention's two products (q.k and p.v over every context token, every query head and
+    # layer) are FLOPs a step must do as well; until session 20 the compute floor counted
+    # the weights' matmuls only, and "x matmul floor" keeps that ratio for comparison.
+    cfg = engine.model_config
+    attention_flops_per_token = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     print(f"\ndecode step, 512-token contexts (floor: the larger of memory and compute; "
           f"medians of {DECODE_ROUNDS} rounds, each with its own floors)")
-    print("| batch | ms/step | tokens/s | memory floor ms | compute floor ms | x floor |\n"
-          "|---|---|---|---|---|---|")
+    print("| batch | ms/step | tokens/s | memory floor ms | compute floor ms | x floor "
+          "| x matmul floor |\n|---|---|---|---|---|---|---|")
     for batch in ([1, 8] if args.quick else [1, 8, 32, 64]):
         rounds = []
         for _ in range(DECODE_ROUNDS):
@@ -192,13 +197,15 @@ def main() -> None:
             gflops = matmul_floor_gflops(device, dtype, repeats=5)
             seconds = decode_step_seconds(llm, batch, 512, steps=16)
             memory_ms = (weight_bytes + batch * 512 * kv_bytes) / (read_gbps * 1e9) * 1e3
-            compute_ms = 2 * matmul_params * batch / (gflops * 1e9) * 1e3
+            matmul_ms = 2 * matmul_params * batch / (gflops * 1e9) * 1e3
+            compute_ms = matmul_ms + batch * 512 * attention_flops_per_token / (gflops * 1e6)
             rounds.append((seconds * 1e3, memory_ms, compute_ms,
-                           seconds * 1e3 / max(memory_ms, compute_ms)))
-        ms, memory_ms, compute_ms, ratio = (statistics.median(r[i] for r in rounds)
-                                            for i in range(4))
+                           seconds * 1e3 / max(memory_ms, compute_ms),
+                           seconds * 1e3 / max(memory_ms, matmul_ms)))
+        ms, memory_ms, compute_ms, ratio, matmul_ratio = (
+            statistics.median(r[i] for r in rounds) for i in range(5))
         print(f"| {batch} | {ms:.1f} | {batch / ms * 1e3:.0f} | {memory_ms:.1f} | "
-              f"{compute_ms:.1f} | {ratio:.2f} |", flush=True)
+              f"{compute_ms:.1f} | {ratio:.2f} | {matmul_ratio:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()
