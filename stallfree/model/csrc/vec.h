@@ -59,8 +59,11 @@ inline float hsum(vf a) {
 }
 
 // The lane sums of 16 vectors, in order, as one vector: a transpose-and-add tree that
-// costs 45 operations where 16 separate horizontal sums would cost about 160.
-inline vf hsum16(const vf* a) {
+// costs 45 operations where 16 separate horizontal sums would cost about 160. Always
+// inlined: GCC 12 called it out of line from decode attention's scores, the 16 vectors
+// passed through memory, and it took a quarter of the kernel's time (a sampling profile;
+// inlined, the op on a hot cache ran 1.05-1.5x faster, docs/benchmarks.md).
+__attribute__((always_inline)) inline vf hsum16(const vf* a) {
   vf r[8], s[4], u[2];
   for (int i = 0; i < 8; ++i)  // [a_2i: 8 partial sums | a_2i+1: 8]
     r[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
