@@ -182,8 +182,8 @@ def main() -> None:
     # runs minutes apart on a 2-core EPYC), and a step must be judged against what the
     # memory gave at that time. The table shows the medians over the rounds.
     # Attention's two products (q.k and p.v over every context token, every query head and
-    # layer) are FLOPs a step must do as well; until session 20 the compute floor counted
-    # the weights' matmuls only, and "x matmul floor" keeps that ratio for comparison.
+    # layer) are FLOPs a step must do as well. The compute floor once counted the weights'
+    # matmuls only; "x matmul floor" keeps that ratio, comparable with earlier results.
     cfg = engine.model_config
     attention_flops_per_token = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     print(f"\ndecode step, 512-token contexts (floor: the larger of memory and compute; "
