@@ -1,6 +1,7 @@
 """Prefill and decode speed of the engine on the default model, beside this machine's floors.
 
-Run: .venv/bin/python benchmarks/engine_speed.py [--quick]
+Run: .venv/bin/python benchmarks/engine_speed.py [--quick] [--batches 1,32] [--rounds N]
+[--no-prefill]
 The engine's figures are medians of repeated measurements taken in this one run, the
 floors beside them the best of repeated calls; each decode row is the median of rounds
 that measure their floors again just before their steps, the ratio per round.
@@ -139,6 +140,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's)")
     parser.add_argument("--kernel-ab", choices=sorted(SWITCHES), default=None,
                         help="decode steps with and without this CPU kernel only")
+    parser.add_argument("--batches", default=None,
+                        help="decode batch sizes, comma-separated (default 1,8,32,64; "
+                        "--quick 1,8)")
+    parser.add_argument("--rounds", type=int, default=DECODE_ROUNDS,
+                        help="decode rounds per batch size, each with its own floors")
+    parser.add_argument("--no-prefill", action="store_true", help="decode steps only")
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, dtype=args.dtype)
     if args.kernel_ab in PREFILL:
@@ -163,14 +170,27 @@ def main() -> None:
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
 
+    if not args.no_prefill:
+        prefill_table(llm, args.quick, params_non_embedding, matmul)
+    batches = ([int(b) for b in args.batches.split(",")] if args.batches
+               else [1, 8] if args.quick else [1, 8, 32, 64])
+    decode_table(llm, batches, args.rounds, weight_bytes, params_non_embedding)
+
+
+def prefill_table(llm: LLM, quick: bool, params_non_embedding: int, matmul: float) -> None:
     print("\nprefill (2048-token prompt in chunks)")
     print("| chunk | tokens/s | GFLOP/s | % of matmul rate |\n|---|---|---|---|")
-    chunks = [64, 512, 2048] if args.quick else [64, 128, 256, 512, 1024, 2048]
+    chunks = [64, 512, 2048] if quick else [64, 128, 256, 512, 1024, 2048]
     for chunk in chunks:
         rate = prefill_tokens_per_second(llm, chunk, 2048)
         gflops = rate * 2 * params_non_embedding / 1e9
         print(f"| {chunk} | {rate:.0f} | {gflops:.1f} | {100 * gflops / matmul:.0f}% |")
 
+
+def decode_table(llm: LLM, batches: list[int], decode_rounds: int, weight_bytes: int,
+                 params_non_embedding: int) -> None:
+    engine = llm.engine
+    device, dtype = engine.device, engine.dtype
     # A step's floors: the bytes it must read (weights and the batch's KV) at the measured
     # bandwidth, and its matmul FLOPs (every weight, LM head included) at the matmul rate.
     kv_bytes = kv_cache_bytes_per_token(engine.model_config, dtype)
@@ -187,12 +207,12 @@ def main() -> None:
     cfg = engine.model_config
     attention_flops_per_token = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     print(f"\ndecode step, 512-token contexts (floor: the larger of memory and compute; "
-          f"medians of {DECODE_ROUNDS} rounds, each with its own floors)")
+          f"medians of {decode_rounds} rounds, each with its own floors)")
     print("| batch | ms/step | tokens/s | memory floor ms | compute floor ms | x floor "
-          "| x matmul floor |\n|---|---|---|---|---|---|---|")
-    for batch in ([1, 8] if args.quick else [1, 8, 32, 64]):
+          "| x matmul floor | x floor, each round |\n|---|---|---|---|---|---|---|---|")
+    for batch in batches:
         rounds = []
-        for _ in range(DECODE_ROUNDS):
+        for _ in range(decode_rounds):
             read_gbps = memory_floor_gbps(device, repeats=3)
             gflops = matmul_floor_gflops(device, dtype, repeats=5)
             seconds = decode_step_seconds(llm, batch, 512, steps=16)
@@ -204,8 +224,10 @@ def main() -> None:
                            seconds * 1e3 / max(memory_ms, matmul_ms)))
         ms, memory_ms, compute_ms, ratio, matmul_ratio = (
             statistics.median(r[i] for r in rounds) for i in range(5))
+        each = " ".join(f"{r[3]:.2f}" for r in rounds)
         print(f"| {batch} | {ms:.1f} | {batch / ms * 1e3:.0f} | {memory_ms:.1f} | "
-              f"{compute_ms:.1f} | {ratio:.2f} | {matmul_ratio:.2f} |", flush=True)
+              f"{compute_ms:.1f} | {ratio:.2f} | {matmul_ratio:.2f} | {each} |", flush=True)
+
 
 if __name__ == "__main__":
     main()
