@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 
 import httpx
@@ -59,6 +60,15 @@ def _settle(server, timeout: float = 30.0) -> dict[str, float]:
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, "other-name"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_startup_heap_is_frozen_out_of_full_gc_passes(server):
+    # A full pass over the model's, tokenizer's and app's objects would stall every running
+    # request for ~150 ms (serve.freeze_startup_heap); the server froze them before serving.
+    with open(server.log_path, errors="replace") as f:
+        found = re.search(r"(\d+) start-up objects frozen out of the cyclic GC", f.read())
+    assert found, "the server did not report freezing its start-up objects"
+    assert int(found.group(1)) > 50_000
 
 
 def test_sync_client_greedy_stream_equals_plain_equals_offline(client, default_llm):
