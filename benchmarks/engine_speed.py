@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's)")
     parser.add_argument("--kernel-ab", choices=sorted(SWITCHES), default=None,
                         help="decode steps with and without this CPU kernel only")
+    # The next three shape the floors' tables (not --kernel-ab's comparison).
     parser.add_argument("--batches", default=None,
                         help="decode batch sizes, comma-separated (default 1,8,32,64; "
                         "--quick 1,8)")
@@ -147,6 +148,8 @@ def main() -> None:
                         help="decode rounds per batch size, each with its own floors")
     parser.add_argument("--no-prefill", action="store_true", help="decode steps only")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     llm = LLM(max_model_len=4096, dtype=args.dtype)
     if args.kernel_ab in PREFILL:
         kernel_ab(llm, args.kernel_ab, [512] if args.quick else [128, 512, 2048],

@@ -18,9 +18,10 @@ def freeze_startup_heap() -> tuple[int, float]:
     The model's modules, the tokenizer's tables and the app are ~300K tracked objects.
     A full pass walks all of them holding the GIL: 125-160 ms on a 2-core EPYC, a stall
     of every running request's next token, and Python runs one whenever the objects that
-    survived since the last reach a quarter of the total (at 10 requests/s, about 12K a
-    minute: every few minutes). Frozen, they are still alive, as a server keeps them
-    anyway; a full pass walks only what serving created (docs/benchmarks.md)."""
+    survived since the last reach a quarter of the total: under load at 10 requests/s,
+    every one to two minutes. Frozen, a full pass walks only what serving created
+    (docs/benchmarks.md). Frozen objects are still freed once unreferenced; only cycles
+    among them are never collected, and a server keeps its start-up objects anyway."""
     start = time.perf_counter()
     gc.collect()
     seconds = time.perf_counter() - start
