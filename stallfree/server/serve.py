@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 
 from ..config import EngineConfig
 from ..scheduler.cost_fit import OnlineCost
 from .config import ServerConfig
+
+GC_FREEZE_SWITCH = "STALLFREE_GC_FREEZE"  # "0": the start-up objects stay in the GC's passes
 
 
 def freeze_startup_heap() -> tuple[int, float]:
@@ -95,10 +98,12 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
         # found stop_serving a no-op, so look now. From here on stop_serving reaches the
         # server, and uvicorn honours a should_exit set before it runs.
         if not async_engine.is_dead:
-            frozen, seconds = freeze_startup_heap()
-            logging.getLogger("stallfree.server").info(
-                "%d start-up objects frozen out of the cyclic GC's full passes (one over "
-                "them took %.0f ms)", frozen, seconds * 1e3)
+            if os.environ.get(GC_FREEZE_SWITCH) != "0":
+                frozen, seconds = freeze_startup_heap()
+                logging.getLogger("stallfree.server").info(
+                    "%d start-up objects frozen out of the cyclic GC's full passes (one "
+                    "over them took %.0f ms; %s=0 leaves them to it)", frozen, seconds * 1e3,
+                    GC_FREEZE_SWITCH)
             print(f"stallfree: serving {names[0]!r} on http://{host}:{port}", flush=True)
             server[0].run()
         if async_engine.crashed:
