@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from stallfree.bench.systems import ServerProcess, System
+from stallfree.server.serve import GC_FREEZE_SWITCH
 
 HOOK = '''import gc, os, time
 _log = open(os.environ["GC_PASS_LOG"], "a", buffering=1)
@@ -39,8 +40,8 @@ def run_arm(freeze: bool, rate: float, duration: int, workdir: str) -> dict:
     command = [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1",
                "--port", "{port}", "--uvicorn-log-level", "warning"]
     env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": workdir, "GC_PASS_LOG": passes_log,
-           "STALLFREE_GC_FREEZE": "1" if freeze else "0"}
-    server = ServerProcess(System("gc-frozen" if freeze else "gc-default", command=command,
+           GC_FREEZE_SWITCH: "1" if freeze else "0"}
+    server = ServerProcess(System("gc-frozen" if freeze else "gc-unfrozen", command=command,
                                   env=env), log_dir=workdir)
     result_file = os.path.join(workdir, "result.json")
     try:
