@@ -127,7 +127,8 @@ def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way(dty
     cache (a prefix served from it is computed differently, whichever loop runs)."""
     llm = LLM(max_model_len=1024, dtype=dtype, token_budget=64,
               enable_prefix_caching=False)
-    assert llm.engine.executor.model.layer_loop is not None
+    loop = llm.engine.executor.model.layer_loop
+    assert loop is not None and loop.final_norm is not None  # the final norm in the call too
     prompts = [[(i * 7919 + j * 31) % 40000 + 100 for j in range(20 + 53 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outputs = {}

@@ -56,8 +56,11 @@ def test_a_packing_gives_back_every_value_and_row(layout, blocks, k, seed, ids):
     assert (plain.stride(0) == 1) == (dtype == torch.float32 and cols > 1)
     if not layout.endswith("_gated"):
         index = torch.tensor(ids) % rows
-        assert torch.equal(packed.rows(index), weight[index])
+        assert torch.equal(packed.rows(index), weight[index])  # csrc/packed_rows.cpp
+        assert torch.equal(packed.rows_by_index(index), weight[index])  # the torch path
         assert torch.equal(packed.rows(index.view(1, -1)), weight[index].unsqueeze(0))
+        with pytest.raises(RuntimeError, match=f"row {rows} outside"):
+            packed.rows(torch.tensor([0, rows]))
 
 
 def test_layouts_that_cannot_be_read_back_say_so():

@@ -77,8 +77,9 @@ class ModelRunner:
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return RunnerOutput()
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        if len(sample_rows) < len(token_ids):  # else every row samples (all decodes)
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         if self.shard.tp_rank != 0:
             return RunnerOutput()
         requests = [c.request for c in sampling]

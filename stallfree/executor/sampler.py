@@ -39,6 +39,10 @@ class Sampler:
         bitmask_rows = bitmask_rows or {}
         # Rows edited in place, in a copy: the caller's logits stay the raw ones.
         edited = [row for row, req in enumerate(requests) if _edits_logits(req)]
+        if not edited and not bitmask_rows and all(r.sampling_params.greedy for r in requests):
+            # The common decode batch: no tensor ops beyond the argmax (each costs ~10 us
+            # of a 12 ms batch-1 step, on caches the step's weight stream left cold).
+            return argmax_rows(logits.float()).tolist()
         logits = logits.float().clone() if edited or bitmask_rows else logits.float()
         for row in edited:
             req = requests[row]

@@ -124,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         loop = self.layer_loop
         if loop is not None and loop.fits(x, attn_metadata, kv_cache):
             x, residual = loop(x, cos, sin, attn_metadata, kv_cache)
+            if loop.final_norm is not None:  # applied in the loop's call
+                return x
         else:
             residual = None
             for i, layer in enumerate(self.model.layers):
@@ -172,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
                         "matrices kept (STALLFREE_AMX_LINEAR=0 / _F32_LINEAR=0 / "
                         "_PACKED_LINEAR=0 turn it off)", "+".join(layouts),
                         held["packings"] / 1e6, held["plain beside packings"] / 1e6)
-        self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard)
+        self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard,
+                                                                  self.model.norm)
         if self.layer_loop is not None:
             logger.info("decoder layers run in one C++ call where a batch allows it "
                         "(STALLFREE_LAYER_LOOP=0 turns it off)")

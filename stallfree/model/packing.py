@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import unavailable_reason
+
 BLOCK = 16  # output columns per packed block, in both kernels' layouts
 AMX_PAIRS = 16  # k-pairs per tile row of the bf16 layout: a tile spans 32 values of k
 
@@ -67,10 +69,18 @@ class PackedWeight:
         return blocks.permute(0, 3, 1, 2, 4).reshape(n, k)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the plain weight (an embedding lookup), read from the packing; ids in
-        [0, out), as the engine checks them (a negative one would wrap around)."""
+        """Rows `ids` of the plain weight (an embedding lookup), read from the packing, in one
+        call to csrc/packed_rows.cpp where the kernels run; ids in [0, out), as the engine
+        checks them."""
         if self.layout.endswith("_gated"):
             raise ValueError("rows of a gated packing are not looked up")
+        if self.data.device.type == "cpu" and unavailable_reason() is None:
+            return torch.ops.stallfree.packed_rows(self.data, ids, *self.shape,
+                                                   self.layout == "amx")
+        return self.rows_by_index(ids)
+
+    def rows_by_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """`rows` in torch index ops, the reference (a negative id would wrap around)."""
         flat = ids.reshape(-1)
         block, column = flat // BLOCK, flat % BLOCK
         blocks = self._blocks()

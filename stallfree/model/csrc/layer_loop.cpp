@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -97,13 +98,15 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
 
 // x [T, hidden] (bf16 or float32, as the packings) through every layer; returns (the last
 // layer's MLP output, the residual stream before it), as LlamaDecoderLayer.forward does, for
-// the final norm to add. As there, x itself is the first layer's residual stream: the second
-// layer's norm adds into it, and the residual returned is x's storage.
+// the final norm to add; with `final_norm`, (that norm of their sum, the sum), as the model's
+// forward ends. As there, x itself is the first layer's residual stream: the second layer's
+// norm adds into it, and the residual returned is x's storage.
 std::tuple<Tensor, Tensor> decoder_layers(
     Tensor x, at::TensorList weights, const Tensor& kv_cache, const Tensor& cos,
     const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
     const Tensor& decode_lens, at::TensorList prefill, int64_t prefill_rows, int64_t heads,
-    int64_t kv_heads, int64_t gate_up_features, double eps, double scale, bool attention_tiles) {
+    int64_t kv_heads, int64_t gate_up_features, double eps, double scale, bool attention_tiles,
+    const std::optional<Tensor>& final_norm) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
               "kv_cache [layers, 2, blocks, block_size, Hkv, D] expected");
   const int64_t layers = kv_cache.size(0);
@@ -136,6 +139,8 @@ std::tuple<Tensor, Tensor> decoder_layers(
     h = k.add_rms_norm.call(o, residual, w[3], eps);
     x = matmul(k, matmul(k, h, w[4], gate_up_features, true), w[5], hidden, false);
   }
+  if (final_norm.has_value() && residual.defined())
+    x = k.add_rms_norm.call(x, residual, *final_norm, eps);
   return {x, residual};
 }
 
@@ -145,7 +150,8 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor decode_tables, Tensor decode_lens, "
         "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int gate_up_features, "
-        "float eps, float scale, bool attention_tiles) -> (Tensor, Tensor)");
+        "float eps, float scale, bool attention_tiles, Tensor? final_norm=None) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
