@@ -117,8 +117,9 @@ class LLMEngine:
         self.reconfigure(config.scheduler, config.cache)
         if self.device.type == "cpu":
             mib = huge_pages.huge_page_mib()
-            logger.info("huge pages %s%s", self.info.huge_pages,
-                        "" if mib is None else f"; {mib:.0f} MiB of this process in them")
+            log = logger.warning if huge_pages.torch_was_first() else logger.info
+            log("huge pages %s%s", self.info.huge_pages,
+                "" if mib is None else f"; {mib:.0f} MiB of this process in them")
 
     def reconfigure(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         """Swaps policy, limits or KV size without reloading weights (when idle)."""

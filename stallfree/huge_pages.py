@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 TORCH_SWITCH = "THP_MEM_ALLOC_ENABLE"
 _set_here = False  # whether this module set the switch before torch loaded
+_torch_first = False  # whether torch had loaded, unadvised, before stallfree could set it
 
 
 def thp_mode(path: str = THP_SETTING) -> str | None:
@@ -34,9 +35,12 @@ def request_for_torch(environ: MutableMapping[str, str] = os.environ,
                       torch_loaded: bool | None = None, path: str = THP_SETTING) -> bool:
     """Turns on torch's huge-page advice where it would take effect and nobody chose;
     True when it did."""
-    global _set_here
+    global _set_here, _torch_first
     loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    if TORCH_SWITCH in environ or loaded or thp_mode(path) != "madvise":
+    if TORCH_SWITCH in environ or thp_mode(path) != "madvise":
+        return False
+    if loaded:
+        _torch_first = True
         return False
     environ[TORCH_SWITCH] = "1"
     _set_here = True
@@ -54,10 +58,19 @@ def status(environ: MutableMapping[str, str] = os.environ, path: str = THP_SETTI
     if mode == "always":
         return "on: THP is 'always'"
     if environ.get(TORCH_SWITCH) != "1":
+        if _torch_first:
+            return (f"off: torch was imported before stallfree, too early for {TORCH_SWITCH}=1 "
+                    f"(import stallfree first, or set {TORCH_SWITCH}=1)")
         return f"off: {TORCH_SWITCH} is not 1"
     if _set_here:
         return "on: THP 'madvise', torch advised"
     return f"on: THP 'madvise', {TORCH_SWITCH}=1 given"
+
+
+def torch_was_first() -> bool:
+    """Whether torch loaded before stallfree where the switch would have mattered: the
+    engine warns then, since its buffers miss huge pages for an import's order."""
+    return _torch_first
 
 
 def huge_page_mib(path: str = "/proc/self/smaps_rollup") -> float | None:

@@ -11,7 +11,11 @@ from stallfree import huge_pages
 
 
 @pytest.fixture
-def thp(tmp_path):
+def thp(tmp_path, monkeypatch):
+    # What this process's own import recorded stays out of the cases below.
+    monkeypatch.setattr(huge_pages, "_set_here", False)
+    monkeypatch.setattr(huge_pages, "_torch_first", False)
+
     def setting(mode: str) -> str:
         path = tmp_path / "enabled"
         path.write_text({"always": "[always] madvise never\n",
@@ -37,12 +41,16 @@ def test_the_switch_is_left_alone_where_advice_changes_nothing(thp, mode):
 
 
 def test_a_late_import_or_the_users_choice_is_not_overridden(thp):
-    env: dict[str, str] = {}
-    assert not huge_pages.request_for_torch(env, torch_loaded=True, path=thp("madvise"))
-    assert huge_pages.status(env, thp("madvise")) == "off: THP_MEM_ALLOC_ENABLE is not 1"
     chosen = {huge_pages.TORCH_SWITCH: "0"}
     assert not huge_pages.request_for_torch(chosen, torch_loaded=False, path=thp("madvise"))
     assert chosen == {huge_pages.TORCH_SWITCH: "0"}
+    assert huge_pages.status(chosen, thp("madvise")) == "off: THP_MEM_ALLOC_ENABLE is not 1"
+    assert not huge_pages.torch_was_first()
+    env: dict[str, str] = {}
+    assert not huge_pages.request_for_torch(env, torch_loaded=True, path=thp("madvise"))
+    assert env == {} and huge_pages.torch_was_first()  # the engine warns
+    assert huge_pages.status(env, thp("madvise")).startswith(
+        "off: torch was imported before stallfree")
 
 
 def test_no_thp_setting_means_off(tmp_path):
