@@ -19,13 +19,17 @@ float32; its torch path is F.linear and the Python layer loop).
 """
 from __future__ import annotations
 
+# stallfree before torch, as `stallfree serve` imports them: its import asks torch for huge
+# pages, which torch reads only as it loads (stallfree/huge_pages.py).
+from stallfree import LLM, SamplingParams
+
+# isort: split
 import argparse
 import statistics
 import time
 
 import torch
 
-from stallfree import LLM, SamplingParams
 from stallfree.executor.hardware import cpu_flags
 from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
@@ -169,7 +173,7 @@ def main() -> None:
     decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}; "
-          f"CPU flags: {' '.join(flags)}")
+          f"CPU flags: {' '.join(flags)}; huge pages {engine.info.huge_pages}")
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
 

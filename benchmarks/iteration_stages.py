@@ -21,6 +21,11 @@ Medians per iteration kind over the whole run, with the CPU's flags printed besi
 """
 from __future__ import annotations
 
+# stallfree before torch, as `stallfree serve` imports them: its import asks torch for huge
+# pages, which torch reads only as it loads (stallfree/huge_pages.py).
+from stallfree import LLM, SamplingParams
+
+# isort: split
 import argparse
 import statistics
 import time
@@ -30,7 +35,6 @@ from typing import Any
 
 import torch
 
-from stallfree import LLM, SamplingParams
 from stallfree import engine as engine_module
 from stallfree.executor import model_runner
 from stallfree.executor.hardware import cpu_flags
