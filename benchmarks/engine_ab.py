@@ -10,7 +10,9 @@ default model, 512-token contexts) once on REV's code and once on this tree's, t
 alternating between pairs. A shared machine's speed swings by 10-20% within minutes; the
 pairs spread both sides over the same minutes, and the per-pair ratios show how far the
 swing reaches. Prints, per batch: the median ms per step of every round on each side, the
-ratio of those medians (this tree / REV: below 1 is faster), and each pair's ratio.
+ratio of those medians (this tree / REV: below 1 is faster), and each pair's ratio. Both
+sides must run their CPU kernels (`make kernels` builds this tree's); REV needs the
+kernel build folder switch (STALLFREE_BUILD_DIR) and the API engine_speed.py uses.
 """
 from __future__ import annotations
 
@@ -23,51 +25,71 @@ import sys
 import tempfile
 from pathlib import Path
 
+# It imports stallfree, so before torch loads, as `stallfree serve` does (huge_pages.py).
+from ab_processes import alternating, run_child, vector_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(batches: list[int], rounds: int) -> None:
     """In a child process: `rounds` step medians per batch, as one JSON line."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from stallfree import LLM, huge_pages  # before torch loads: as `stallfree serve` runs
-
-    # isort: split
     from engine_speed import decode_step_seconds
+
+    from stallfree import LLM, huge_pages
+    from stallfree.model.kernels import unavailable_reason
 
     llm = LLM(max_model_len=4096)
     ms = {b: [decode_step_seconds(llm, b, 512, steps=24) * 1e3 for _ in range(rounds)]
           for b in batches}
-    print("RESULT " + json.dumps({"ms": ms, "huge_pages_mib": huge_pages.huge_page_mib()}),
-          flush=True)
+    print(json.dumps({"ms": ms, "huge_pages_mib": huge_pages.huge_page_mib(),
+                      "kernels": unavailable_reason() or "loaded"}), flush=True)
 
 
 def run_side(tree: Path, build: Path | None, batches: str, rounds: int) -> dict:
-    """One measuring process on `tree`'s code: {"ms": {batch: [ms...]}, "huge_pages_mib"}."""
-    env = dict(os.environ)
-    if build is not None:  # the baseline: its package first on the path, its own kernels
-        env.update(PYTHONPATH=str(tree), STALLFREE_BUILD_DIR=str(build))
-    out = subprocess.run([sys.executable, __file__, "--measure", "--batches", batches,
-                          "--rounds", str(rounds)], cwd=tree, env=env, check=True,
-                         capture_output=True, text=True).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
+    """One measuring process on `tree`'s code: {"ms": {batch: [ms...]}, "huge_pages_mib",
+    "kernels"}; stops the comparison where that tree's kernels did not load."""
+    env = dict(os.environ, PYTHONPATH=str(tree))  # ahead of the editable install
+    if build is not None:
+        env["STALLFREE_BUILD_DIR"] = str(build)
+    result = run_child([__file__, "--measure", "--batches", batches, "--rounds", str(rounds)],
+                       env, cwd=tree)
+    if result["kernels"] != "loaded":
+        raise SystemExit(f"the CPU kernels of {tree} did not load: {result['kernels']}")
     result["ms"] = {int(b): ms for b, ms in result["ms"].items()}
     return result
 
 
-def baseline_tree(rev: str, folder: Path) -> tuple[Path, Path]:
-    """REV checked out under `folder`, its kernels built beside it: (tree, build folder)."""
-    tree, build = folder / "tree", folder / "build"
+def add_baseline_tree(rev: str, tree: Path, build: Path) -> None:
+    """REV checked out at `tree`, its kernels built into `build`."""
     subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT,
                    check=True, capture_output=True)
     built = subprocess.run([sys.executable, "-m", "stallfree.model.kernel_build"], cwd=tree,
                            env=dict(os.environ, PYTHONPATH=str(tree),
                                     STALLFREE_BUILD_DIR=str(build)),
                            capture_output=True, text=True)
-    if built.returncode != 0:
+    if not list(build.glob("kernels_*/kernels.so")):  # the build reports failure, exit 0
         raise SystemExit(f"the kernels of {rev} did not build:\n{built.stderr[-2000:]}")
-    print(built.stdout.strip().splitlines()[-1], flush=True)
-    return tree, build
+    print(f"kernels of {rev} built in {build}", flush=True)
+
+
+def mib(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"
+
+
+def compare(args: argparse.Namespace, tree: Path, build: Path) -> dict[str, list[dict]]:
+    sides: dict[str, list[dict]] = {"base": [], "this": []}
+    for pair, side in alternating(args.pairs, "base", "this"):
+        sides[side].append(run_side(tree if side == "base" else ROOT,
+                                    build if side == "base" else None,
+                                    args.batches, args.rounds))
+        if len(sides["base"]) == len(sides["this"]):
+            this, base = sides["this"][-1], sides["base"][-1]
+            print(f"pair {pair + 1}: " + ", ".join(
+                f"batch {b}: {statistics.median(this['ms'][b]):.2f} against "
+                f"{statistics.median(base['ms'][b]):.2f} ms" for b in this["ms"])
+                + f" (huge pages {mib(this['huge_pages_mib'])} / "
+                f"{mib(base['huge_pages_mib'])} MiB)", flush=True)
+    return sides
 
 
 def main() -> None:
@@ -83,30 +105,17 @@ def main() -> None:
         return measure(batches, args.rounds)
     if not args.baseline_rev or args.pairs < 1 or args.rounds < 1:
         parser.error("--baseline-rev is required; --pairs and --rounds at least 1")
-    from stallfree.executor.hardware import cpu_flags
-
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}; baseline {args.baseline_rev}, {args.pairs} pairs of "
+    print(f"CPU flags: {vector_flags()}; baseline {args.baseline_rev}, {args.pairs} pairs of "
           f"{args.rounds} rounds")
     with tempfile.TemporaryDirectory(prefix="engine_ab_") as tmp:
-        tree, build = baseline_tree(args.baseline_rev, Path(tmp))
+        tree, build = Path(tmp) / "tree", Path(tmp) / "build"
         try:
-            sides: dict[str, list[dict]] = {"base": [], "this": []}
-            for pair in range(args.pairs):
-                order = ("base", "this") if pair % 2 == 0 else ("this", "base")
-                for side in order:
-                    sides[side].append(run_side(tree if side == "base" else ROOT,
-                                                build if side == "base" else None,
-                                                args.batches, args.rounds))
-                this, base = sides["this"][-1], sides["base"][-1]
-                print(f"pair {pair + 1}: " + ", ".join(
-                    f"batch {b}: {statistics.median(this['ms'][b]):.2f} against "
-                    f"{statistics.median(base['ms'][b]):.2f} ms" for b in batches)
-                    + f" (huge pages {this['huge_pages_mib']:.0f} / "
-                    f"{base['huge_pages_mib']:.0f} MiB)", flush=True)
+            add_baseline_tree(args.baseline_rev, tree, build)
+            sides = compare(args, tree, build)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False)
+                           check=False, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=False)
     print("\n| batch | this tree ms/step | baseline ms/step | this / baseline | each pair |")
     print("|---|---|---|---|---|")
     for b in batches:

@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
+
+from ab_processes import alternating, run_child, vector_flags
 
 from stallfree.huge_pages import TORCH_SWITCH, huge_page_mib, status, thp_mode
 
@@ -40,11 +40,7 @@ def child(quick: bool) -> None:
 
 def run_once(on: bool, quick: bool) -> dict:
     env = {**os.environ, TORCH_SWITCH: "1" if on else "0"}
-    proc = subprocess.run([sys.executable, __file__, "--child"] + ["--quick"] * quick, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        raise SystemExit(f"child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child([__file__, "--child"] + ["--quick"] * quick, env)
 
 
 def main() -> None:
@@ -55,17 +51,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.quick)
-    from stallfree.executor.hardware import cpu_flags
-
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}\nTHP mode: {thp_mode()}; {args.rounds} rounds, "
+    print(f"CPU flags: {vector_flags()}\nTHP mode: {thp_mode()}; {args.rounds} rounds, "
           "each a fresh process per setting")
     runs: dict[bool, list[dict]] = {False: [], True: []}
-    for r in range(args.rounds):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
-            runs[on].append(run_once(on, args.quick))
-            print(f"round {r + 1}, huge pages {'on' if on else 'off'}: {runs[on][-1]}",
-                  flush=True)
+    for r, on in alternating(args.rounds, False, True):
+        runs[on].append(run_once(on, args.quick))
+        print(f"round {r + 1}, huge pages {'on' if on else 'off'}: {runs[on][-1]}", flush=True)
     keys = [k for k in runs[True][0] if k.endswith(("ms", "tok/s"))]
     print(f"\n{runs[True][0]['dtype']}; on: {runs[True][0]['huge_pages']}, "
           f"{runs[True][0]['huge MiB']} MiB in huge pages; off: {runs[False][0]['huge MiB']}")

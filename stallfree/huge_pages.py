@@ -57,10 +57,10 @@ def status(environ: MutableMapping[str, str] = os.environ, path: str = THP_SETTI
         return f"off: THP is 'never' ({path})"
     if mode == "always":
         return "on: THP is 'always'"
+    if _torch_first:  # whatever the switch says now, torch read it before anyone set it
+        return (f"off: torch was imported before stallfree, too early for {TORCH_SWITCH}=1 "
+                f"(import stallfree first, or set {TORCH_SWITCH}=1 before Python starts)")
     if environ.get(TORCH_SWITCH) != "1":
-        if _torch_first:
-            return (f"off: torch was imported before stallfree, too early for {TORCH_SWITCH}=1 "
-                    f"(import stallfree first, or set {TORCH_SWITCH}=1)")
         return f"off: {TORCH_SWITCH} is not 1"
     if _set_here:
         return "on: THP 'madvise', torch advised"

@@ -59,6 +59,19 @@ def test_no_thp_setting_means_off(tmp_path):
     assert huge_pages.status({}, missing).startswith("off")
 
 
+def test_importing_torch_first_is_named_in_the_status():
+    """A program that imports torch first: the switch comes too late, and the status (which
+    the engine logs as a warning then) says why and what to do."""
+    code = ("import torch, stallfree; from stallfree import huge_pages; "
+            "print(huge_pages.torch_was_first()); print(huge_pages.status())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != huge_pages.TORCH_SWITCH}
+    first, status = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                   text=True, check=True).stdout.splitlines()
+    madvise = huge_pages.thp_mode() == "madvise"
+    assert first == str(madvise)
+    assert status.startswith("off: torch was imported before stallfree") == madvise
+
+
 def test_importing_stallfree_first_sets_the_switch_for_torch():
     """In a fresh interpreter, as `stallfree serve` starts: the package's import sets the
     switch when this machine's THP mode is madvise, and never loads torch itself."""

@@ -150,6 +150,10 @@ def test_layers_it_cannot_run_say_why(model_dir):
     if MISSING is None:
         layer = copy.deepcopy(_load(model_dir)[0].model.layers[0])
         assert LayerLoop.build([layer], Shard())[1] is None
+        norm = copy.deepcopy(layer.input_layernorm)
+        assert LayerLoop.build([layer], Shard(), norm)[0].final_norm is norm.weight
+        norm.eps *= 2  # a final norm the call would apply with the layers' eps: left out
+        assert LayerLoop.build([layer], Shard(), norm)[0].final_norm is None
         qkv = layer.self_attn.qkv_proj
         qkv.bias = torch.nn.Parameter(torch.zeros(qkv.out_features))
         assert LayerLoop.build([layer], Shard())[1] == "qkv_proj has a bias"

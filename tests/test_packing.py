@@ -63,6 +63,21 @@ def test_a_packing_gives_back_every_value_and_row(layout, blocks, k, seed, ids):
             packed.rows(torch.tensor([0, rows]))
 
 
+def test_rows_of_a_packing_take_any_ids_and_refuse_what_does_not_fit():
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    packed = _packed(weight, "amx")
+    ids = torch.tensor([[3, 31], [0, 17]])
+    assert torch.equal(packed.rows(ids.int()), weight[ids])  # int32 ids too
+    assert torch.equal(packed.rows(ids.t()), weight[ids.t()])  # any strides
+    assert packed.rows(torch.tensor([], dtype=torch.long)).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="row -1 outside"):
+        packed.rows(torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="amx layout holds bfloat16"):
+        torch.ops.stallfree.packed_rows(packed.data.float(), ids, 32, 64, True)
+    with pytest.raises(RuntimeError, match="packing of 32 x 32 values expected"):
+        torch.ops.stallfree.packed_rows(packed.data, ids, 32, 32, True)
+
+
 def test_layouts_that_cannot_be_read_back_say_so():
     opaque = PackedWeight(torch.zeros(4), "onednn", (2, 2))
     assert not opaque.readable

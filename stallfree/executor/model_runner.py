@@ -77,7 +77,7 @@ class ModelRunner:
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return RunnerOutput()
-        if len(sample_rows) < len(token_ids):  # else every row samples (all decodes)
+        if len(sample_rows) < len(token_ids):  # else each chunk is one row, and it samples
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden)
         if self.shard.tp_rank != 0:

@@ -74,8 +74,8 @@ class PackedWeight:
         checks them."""
         if self.layout.endswith("_gated"):
             raise ValueError("rows of a gated packing are not looked up")
-        if self.data.device.type == "cpu" and unavailable_reason() is None:
-            return torch.ops.stallfree.packed_rows(self.data, ids, *self.shape,
+        if self.readable and self.data.device.type == "cpu" and unavailable_reason() is None:
+            return torch.ops.stallfree.packed_rows(self.data, ids.long(), *self.shape,
                                                    self.layout == "amx")
         return self.rows_by_index(ids)
 
