@@ -1,8 +1,8 @@
 // Rows of a matmul weight read back from its packing (CPU): the embedding lookup of a model
 // whose embedding is tied to the LM head, where the packing is the only copy of the matrix
-// (packing.py). As torch index ops over the packing's 5-d view, one row took five ops,
-// ~0.14 ms of a 12 ms one-row decode step on caches the weight stream had left cold; here it
-// is one call that reads the row's values where they lie.
+// (packing.py). As torch index ops over the packing's 5-d view a lookup took five ops; here
+// it is one call that reads the rows' values where they lie: 2-3.7x faster at 1-2,048 ids
+// (docs/benchmarks.md, where a one-row decode step is also shown not to feel the ~0.1 ms).
 //
 // Layouts (packing.py): "amx", bf16 [N/16][K/32][16 k-pairs][16 columns][2] (amx_pack);
 // "f32", float32 [N/16][K][16] (f32_pack). Row r of the plain weight is column r % 16 of
