@@ -14,8 +14,6 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from stallfree.executor.hardware import cpu_flags
-
 
 def run_child(args: list[str], env: Mapping[str, str], cwd: Path | None = None,
               timeout: float = 900) -> dict:
@@ -34,7 +32,3 @@ def alternating(rounds: int, first: object, second: object) -> Iterator[tuple[in
         for side in (first, second) if r % 2 == 0 else (second, first):
             yield r, side
 
-
-def vector_flags() -> str:
-    """The CPU's vector and matrix flags, recorded beside every result."""
-    return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))

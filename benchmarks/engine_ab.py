@@ -25,8 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-# It imports stallfree, so before torch loads, as `stallfree serve` does (huge_pages.py).
-from ab_processes import alternating, run_child, vector_flags
+from ab_processes import alternating, run_child
+
+# stallfree imported here, before engine_speed loads torch in a child, as `stallfree serve`
+# does (huge_pages.py).
+from stallfree.executor.hardware import vector_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

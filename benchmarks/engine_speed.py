@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
 
@@ -171,9 +171,9 @@ def main() -> None:
     bandwidth = memory_floor_gbps(device)
     matmul = matmul_floor_gflops(device, dtype)
     decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    flags = vector_flags()
     print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}; "
-          f"CPU flags: {' '.join(flags)}; huge pages {engine.info.huge_pages}")
+          f"CPU flags: {flags}; huge pages {engine.info.huge_pages}")
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
 

@@ -15,8 +15,9 @@ import json
 import os
 import statistics
 
-from ab_processes import alternating, run_child, vector_flags
+from ab_processes import alternating, run_child
 
+from stallfree.executor.hardware import vector_flags
 from stallfree.huge_pages import TORCH_SWITCH, huge_page_mib, status, thp_mode
 
 BATCHES = (1, 8, 32)

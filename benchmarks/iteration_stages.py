@@ -37,7 +37,7 @@ import torch
 
 from stallfree import engine as engine_module
 from stallfree.executor import model_runner
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 
 STAGES = ("schedule", "inputs", "forward", "logits + sampling", "bookkeeping")
 
@@ -115,10 +115,10 @@ def main() -> None:
             continue
         kind = "decodes only" if record.num_prefill_tokens == 0 else "mixed (prefill chunks)"
         rows[kind].append({**split(step, times), "total": step, "seqs": record.num_seqs})
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    flags = vector_flags()
     print(f"dtype {engine.dtype}, {torch.get_num_threads()} threads, {args.requests} requests "
           f"x {args.prompt_len}-token prompts, {args.output_len} outputs, budget "
-          f"{args.token_budget}, temperature {args.temperature}; CPU flags: {' '.join(flags)}")
+          f"{args.token_budget}, temperature {args.temperature}; CPU flags: {flags}")
     print("| iterations | n | median seqs | " + " | ".join(STAGES) + " | total ms |")
     print("|---|---:|---:|" + "---:|" * (len(STAGES) + 1))
     for kind, items in rows.items():

@@ -18,7 +18,7 @@ import statistics
 from engine_speed import _prompts
 
 from stallfree import LLM, SamplingParams
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 from stallfree.model.llama import kv_cache_bytes_per_token
 
 CONTEXT, STEPS, BUDGET = 512, 8, 2048
@@ -51,9 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     llms = {size: LLM(max_model_len=4096, block_size=size) for size in args.block_sizes}
     engine = next(iter(llms.values())).engine
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    flags = vector_flags()
     print(f"{engine.dtype}, batch {args.batch} at {CONTEXT}-token contexts; CPU flags: "
-          f"{' '.join(flags)}")
+          f"{flags}")
     cells = {(size, scattered): [] for size in args.block_sizes for scattered in (False, True)}
     for r in range(args.rounds):
         for (size, scattered), ms in cells.items():

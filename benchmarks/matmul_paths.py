@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 from stallfree.model.kernels import amx_unavailable_reason, unavailable_reason
 from stallfree.model.linear import (
     PACK_HINT_ROWS,
@@ -109,8 +109,8 @@ def main() -> None:
     nbytes = sum(w.nbytes for layer in weights for w in layer)
     paths = (gated_paths(weights, shapes, dtype) if args.gated
              else plain_paths(weights, shapes, dtype))
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"{torch.get_num_threads()} threads; CPU flags: {' '.join(flags)}; "
+    flags = vector_flags()
+    print(f"{torch.get_num_threads()} threads; CPU flags: {flags}; "
           f"AMX: {amx_unavailable_reason() or 'yes'}; the amx path in "
           f"{'tiles' if amx_unavailable_reason() is None else 'vectors'}")
     print(f"{args.layers} layers x {len(shapes)} weights {shapes}, {nbytes / 1e6:.0f} MB; "

@@ -20,7 +20,7 @@ import subprocess
 import time
 
 from stallfree import LLM, SamplingParams
-from stallfree.executor.hardware import BF16_FLAGS, cpu_flags
+from stallfree.executor.hardware import BF16_FLAGS, cpu_flags, vector_flags
 
 VLLM_SCRIPT = """
 import json, sys, time
@@ -82,8 +82,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
                for _ in range(args.prompts)]
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} cpus", flush=True)
+    flags = vector_flags()
+    print(f"CPU flags: {flags}; {os.cpu_count()} cpus", flush=True)
     dtype = "bfloat16" if set(BF16_FLAGS) & cpu_flags() else "float32"
     rates = {"stallfree": ours(prompts, args.output_len, args.repeats),
              "vllm": vllm(prompts, args.output_len, args.repeats, args.vllm_venv,

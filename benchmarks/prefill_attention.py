@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 from stallfree.model import paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from stallfree.model.kernels import amx_unavailable_reason
@@ -50,10 +50,10 @@ def main() -> None:
     num_blocks = 4 * most // BLOCK
     torch.manual_seed(0)
     caches = [torch.randn(2, num_blocks, BLOCK, hkv, hd).to(dtype) for _ in range(args.layers)]
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    flags = vector_flags()
     path = ("float32 vectors" if dtype == torch.float32
             else "bf16 vectors" if amx_unavailable_reason() else "AMX tiles")
-    print(f"{torch.get_num_threads()} threads, kernel in {path}; CPU flags: {' '.join(flags)}")
+    print(f"{torch.get_num_threads()} threads, kernel in {path}; CPU flags: {flags}")
     print(f"{args.layers} layers, {args.dtype} cache of {num_blocks} blocks each; median ms per "
           f"layer of {args.rounds} interleaved rounds")
     print("| cached | new | SDPA path | kernel | speed-up |\n|---:|---:|---:|---:|---:|")

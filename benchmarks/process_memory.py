@@ -54,10 +54,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, parse_size(args.kv_cache_memory))))
         return
-    from stallfree.executor.hardware import cpu_flags
+    from stallfree.executor.hardware import vector_flags
 
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}; KV cache {args.kv_cache_memory}")
+    flags = vector_flags()
+    print(f"CPU flags: {flags}; KV cache {args.kv_cache_memory}")
     columns = ["weights", "packings", "plain kept", "kv cache", "VmHWM", "VmRSS"]
     print("| dtype | " + " | ".join(f"{c} MB" for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")

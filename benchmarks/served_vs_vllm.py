@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from stallfree.bench.systems import free_port
-from stallfree.executor.hardware import BF16_FLAGS, cpu_flags
+from stallfree.executor.hardware import BF16_FLAGS, cpu_flags, vector_flags
 
 MODEL = "SmolLM2-135M-Instruct"
 RUNS = (("one-at-a-time", "inf", ["--max-concurrency", "1"]), ("rate-1", "1", []),
@@ -113,8 +113,8 @@ def main() -> None:
         parser.error("set VLLM_VENV and HF_DIR (or --vllm-venv/--hf-dir)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} cpus", flush=True)
+    flags = vector_flags()
+    print(f"CPU flags: {flags}; {os.cpu_count()} cpus", flush=True)
     summary: dict = {"cpu_flags": flags, "systems": {}}
     for system in args.systems.split(","):
         port = free_port()

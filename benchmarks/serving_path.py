@@ -36,7 +36,7 @@ import httpx
 
 from stallfree import LLM, SamplingParams
 from stallfree.bench.systems import ServerProcess, System
-from stallfree.executor.hardware import cpu_flags
+from stallfree.executor.hardware import vector_flags
 from stallfree.iteration_log import read_iteration_log
 
 PROMPT = [(j * 7919) % 40000 + 100 for j in range(256)]
@@ -124,8 +124,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} cpus", flush=True)
+    flags = vector_flags()
+    print(f"CPU flags: {flags}; {os.cpu_count()} cpus", flush=True)
     rounds = []
     for rep in range(args.reps):
         off = offline_step(args.dtype, args.outputs)

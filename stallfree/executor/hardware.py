@@ -32,6 +32,12 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+def vector_flags() -> str:
+    """This CPU's vector and matrix flags (avx*, amx*, fma), sorted: what every benchmark
+    records beside its numbers, since they decide the dtype and the kernels' paths."""
+    return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
+
+
 def available_cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
     try:
