@@ -6,7 +6,8 @@ that logs every collection's generation and duration (gc.callbacks, from a sitec
 written to a temporary directory), loads it with `stallfree bench serve` (random 64-token
 prompts, 32 outputs each) at --rate requests/s for --duration seconds, stops it by its PID,
 and reports the full (generation 2) passes that ran under the load beside the TBT tail.
-The arms alternate, round by round. STALLFREE_GC_FREEZE=0 is the unfrozen arm.
+The arms alternate, the order flipping every round (ab_processes.py). STALLFREE_GC_FREEZE=0
+is the unfrozen arm.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from ab_processes import alternating
 
 from stallfree.bench.systems import ServerProcess, System
 from stallfree.server.serve import GC_FREEZE_SWITCH
@@ -76,13 +79,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         with open(os.path.join(workdir, "sitecustomize.py"), "w") as f:
             f.write(HOOK)
-        for _ in range(args.rounds):
-            for freeze in (False, True):
-                arm = run_arm(freeze, args.rate, args.duration, workdir)
-                each = ", ".join(f"{ms:.0f}" for ms in sorted(arm["full"])) or "-"
-                print(f"| {'frozen' if freeze else 'left to the GC'} | {arm['completed']} "
-                      f"| {len(arm['full'])} | {each} | {arm['p99_tbt']:.0f} "
-                      f"| {arm['stall']:.0f} |", flush=True)
+        for _, freeze in alternating(args.rounds, False, True):
+            arm = run_arm(freeze, args.rate, args.duration, workdir)
+            each = ", ".join(f"{ms:.0f}" for ms in sorted(arm["full"])) or "-"
+            print(f"| {'frozen' if freeze else 'left to the GC'} | {arm['completed']} "
+                  f"| {len(arm['full'])} | {each} | {arm['p99_tbt']:.0f} "
+                  f"| {arm['stall']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
