@@ -27,15 +27,13 @@ from pathlib import Path
 
 from ab_processes import alternating, run_child
 
-# stallfree imported here, before engine_speed loads torch in a child, as `stallfree serve`
-# does (huge_pages.py).
-from stallfree.executor.hardware import vector_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(batches: list[int], rounds: int) -> None:
-    """In a child process: `rounds` step medians per batch, as one JSON line."""
+    """In a child process: `rounds` step medians per batch, as one JSON line. Only what
+    every recent revision has is imported: this runs on the baseline's code too (and
+    engine_speed imports stallfree before torch, as `stallfree serve` does)."""
     from engine_speed import decode_step_seconds
 
     from stallfree import LLM, huge_pages
@@ -108,6 +106,8 @@ def main() -> None:
         return measure(batches, args.rounds)
     if not args.baseline_rev or args.pairs < 1 or args.rounds < 1:
         parser.error("--baseline-rev is required; --pairs and --rounds at least 1")
+    from stallfree.executor.hardware import vector_flags  # this tree's, in this process
+
     print(f"CPU flags: {vector_flags()}; baseline {args.baseline_rev}, {args.pairs} pairs of "
           f"{args.rounds} rounds")
     with tempfile.TemporaryDirectory(prefix="engine_ab_") as tmp:

@@ -30,7 +30,6 @@ import time
 
 import torch
 
-from stallfree.executor.hardware import vector_flags
 from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
 
@@ -171,6 +170,10 @@ def main() -> None:
     bandwidth = memory_floor_gbps(device)
     matmul = matmul_floor_gflops(device, dtype)
     decode_floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
+    # Here, not at the top: engine_ab.py runs this module's decode_step_seconds on other
+    # revisions' code, which may lack it.
+    from stallfree.executor.hardware import vector_flags
+
     flags = vector_flags()
     print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}; "
           f"CPU flags: {flags}; huge pages {engine.info.huge_pages}")
