@@ -44,14 +44,20 @@ PREFILL = {"paged_prefill"}  # compared on prefill chunks
 DECODE_ROUNDS = 3
 
 
-def _best_time(fn, repeats: int) -> float:
+def _best_time(fn, repeats: int, device: torch.device) -> float:
     """The fastest of `repeats` calls: a floor is what the hardware can do, and a call that
-    another process interrupted says nothing about that."""
-    fn()
+    another process interrupted says nothing about that. On CUDA each call is timed to its
+    kernels' end, not their launch."""
+    def call() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    call()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        call()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -62,16 +68,18 @@ def memory_floor_gbps(device: torch.device, repeats: int = 9) -> float:
     faster differs by machine (17 against 39 GB/s on a 2-core EPYC, docs/benchmarks.md)."""
     mat = torch.randn(8192, 8192, device=device)
     vec = torch.randn(8192, device=device)
-    seconds = min(_best_time(lambda: torch.mv(mat, vec), repeats),
-                  _best_time(mat.sum, repeats))
+    seconds = min(_best_time(lambda: torch.mv(mat, vec), repeats, device),
+                  _best_time(mat.sum, repeats, device))
     return mat.numel() * 4 / seconds / 1e9
 
 
 def matmul_floor_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 15) -> float:
-    a = torch.randn(2048, 2048, device=device, dtype=dtype)
-    b = torch.randn(2048, 2048, device=device, dtype=dtype)
-    seconds = _best_time(lambda: a @ b, repeats)
-    return 2 * 2048**3 / seconds / 1e9
+    # A GPU finishes 2048^3 in tens of microseconds, where its launch weighs as much.
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _best_time(lambda: a @ b, repeats, device)
+    return 2 * n**3 / seconds / 1e9
 
 
 def _prompts(count: int, length: int, salt: int) -> list[list[int]]:
