@@ -42,9 +42,12 @@ class Batch:
 
     def attend(self, seqs: list[tuple[int, int, list[int]]], kernel: bool,
                qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        meta = AttentionMetadata.build(seqs, self.block_size, "cpu", GatherWorkspace())
+        """The batch through `paged_attention` on the cache's device (q, k, v moved there)."""
+        device = self.cache.device
+        meta = AttentionMetadata.build(seqs, self.block_size, device, GatherWorkspace())
         with paged_decode.kernel_enabled(kernel), paged_prefill.kernel_enabled(kernel):
-            return paged_attention(*qkv, self.cache, meta, self.dim ** -0.5)
+            return paged_attention(*(t.to(device) for t in qkv), self.cache, meta,
+                                   self.dim ** -0.5)
 
     def both(self, seqs: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(kernel, reference) outputs of one batch (both write the same new K/V)."""

@@ -27,9 +27,15 @@ class LocalExecutor:
         self._done: deque[RunnerOutput] = deque()
 
     def free_memory(self) -> int | None:
+        """Accelerator memory a new KV cache may take: what the device has free, what
+        torch's allocator holds unused, and the current cache, which reset_kv drops first
+        (else each reconfigure would size the cache by what the last one left)."""
         if self.device.type != "cuda":
             return None
-        return torch.cuda.mem_get_info(self.device)[0]
+        held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        current = self.runner.kv_cache if self.runner is not None else None
+        cache = current.numel() * current.element_size() if current is not None else 0
+        return torch.cuda.mem_get_info(self.device)[0] + held + cache
 
     def reset_kv(self, num_blocks: int, block_size: int) -> None:
         self.runner = None  # drop the old KV cache before allocating the new one

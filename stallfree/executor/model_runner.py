@@ -76,6 +76,8 @@ class ModelRunner:
             return RunnerOutput()
         sampling = [c for c in chunks if c.samples]
         if not sampling:
+            if self.device.type == "cuda":  # the iteration ends with its kernels, not their launch
+                torch.cuda.synchronize(self.device)
             return RunnerOutput()
         if len(sample_rows) < len(token_ids):  # else each chunk is one row, and it samples
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]

@@ -81,6 +81,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [B] int64, includes the new token
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded
     block_size: int
+    # The decode context lengths on the host: the decode plan reads them, which from the
+    # tensor would wait for a GPU's queue to drain at every step.
+    decode_lens: list[int]
     # Derived once per batch by `prepare()` and reused by every layer. Gathers copy
     # whole blocks (contiguous runs), not single slots.
     # Per chunk: the blocks covering its whole context and its causal mask, or None
@@ -136,16 +139,17 @@ class AttentionMetadata:
         prefills = [(s, n, t) for s, n, t in seqs if not attends_as_decode(n)]
         decodes = [(s, n, t) for s, n, t in seqs if attends_as_decode(n)]
         dec_blocks = max((len(t) for _, _, t in decodes), default=1)
+        decode_lens = [s + 1 for s, _, _ in decodes]
         meta = cls(
             slot_mapping=slots.to(device),
             num_prefill_tokens=sum(n for _, n, _ in prefills),
             prefill_query_lens=[n for _, n, _ in prefills],
             prefill_context_lens=[s + n for s, n, _ in prefills],
             prefill_table=tables[:len(prefills)].contiguous().to(device),
-            decode_context_lens=torch.tensor([s + 1 for s, _, _ in decodes],
-                                             dtype=torch.int64).to(device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64).to(device),
             decode_block_tables=tables[len(prefills):, :dec_blocks].contiguous().to(device),
             block_size=block_size,
+            decode_lens=decode_lens,
             workspace=workspace or GatherWorkspace(),
         )
         return meta
@@ -179,7 +183,7 @@ class AttentionMetadata:
                                           .masked_fill_(~causal, float("-inf")))
         if self.decode_plan is None and not usable(kv_cache):
             self.decode_plan = []
-            lens = self.decode_context_lens.tolist()
+            lens = self.decode_lens
             groups = decode_groups(lens, bs, call_cap_bytes_per_token(kv_cache))
             for group in groups:
                 # Gather only the blocks the group's longest context needs.
