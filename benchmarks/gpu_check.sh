@@ -2,7 +2,8 @@
 # Issue 17's checks on a CUDA machine, in one run of a few minutes: the transformers match
 # of the default model and bf16's agreement with float32 (tests/test_engine.py,
 # tests/test_dtype.py), paged attention on the GPU against the CPU reference
-# (tests/test_attention_gpu.py), and benchmarks/engine_speed.py with the GPU's floors.
+# (tests/test_attention_gpu.py), benchmarks/engine_speed.py with the GPU's floors, and
+# benchmarks/flex_decode.py (flex_attention over the paged cache against the engine's path).
 #
 # The GPU machine has PyTorch with CUDA but no package registry, and each call to it carries
 # at most 64 MiB with the repository (~18 MB). So the default model (98 MB) and the wheels
@@ -72,7 +73,8 @@ run() {
     export PYTHONPATH="$PWD:$STAGE/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-        python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda, "tf32 matmul", torch.backends.cuda.matmul.allow_tf32)'
+        python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda,
+"tf32 matmul", torch.backends.cuda.matmul.allow_tf32)'
         grep -m1 'model name' /proc/cpuinfo
     } 2>&1 | tee "$out/machine.txt"
     # Each step bounded, so that a hang in one leaves time and output for the others.
@@ -80,6 +82,9 @@ run() {
         tests/test_attention_gpu.py tests/test_engine.py tests/test_dtype.py 2>&1 \
         | tee "$out/tests.log" || true
     timeout 200 python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log" || true
+    # The candidate for a decode path that reads the cache in place on CUDA, beside the
+    # engine's gather + SDPA.
+    timeout 120 python3 benchmarks/flex_decode.py 2>&1 | tee "$out/flex_decode.log" || true
 }
 
 case "${1:-}" in
