@@ -64,8 +64,8 @@ class Sampler:
         logits = logits / temps
         logits = _filter_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
-        min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-        if bool((min_ps > 0).any()):
+        if any(p.min_p > 0 for p in params):  # asked of the host: no wait for a GPU
+            min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
             keep = probs >= min_ps * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         # Inverse CDF: one uniform draw per row, found in the row's cumulative sums. An
@@ -186,10 +186,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int],
     logprobs = logits[rows].float().log_softmax(dim=-1)
     most = max(requests[i].sampling_params.logprobs for i in rows)
     top_vals, top_ids = logprobs.topk(max(most, 1), dim=-1)
-    chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
+    chosen = logprobs[torch.arange(len(rows), device=logits.device),
+                      torch.tensor([tokens[i] for i in rows], device=logits.device)]
+    # To the host in three copies, not three per row (each a wait on a GPU).
+    top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
     result = {}
     for j, i in enumerate(rows):
         k = requests[i].sampling_params.logprobs
-        top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
-        result[i] = TokenLogprobs(tokens[i], float(chosen[j]), top)
+        top = list(zip(top_ids[j][:k], top_vals[j][:k]))
+        result[i] = TokenLogprobs(tokens[i], chosen[j], top)
     return result
