@@ -66,7 +66,9 @@ def memory_floor_gbps(device: torch.device, repeats: int = 9) -> float:
     """Read bandwidth: the faster of two reads of a 268 MB fp32 matrix, a matrix-vector
     product and a sum. Each streams the matrix once; which one the CPU's library reads
     faster differs by machine (17 against 39 GB/s on a 2-core EPYC, docs/benchmarks.md)."""
-    mat = torch.randn(8192, 8192, device=device)
+    # A GPU reads 268 MB in tens of microseconds, where the sync after each call would
+    # weigh: it reads four times as much.
+    mat = torch.randn(32768 if device.type == "cuda" else 8192, 8192, device=device)
     vec = torch.randn(8192, device=device)
     seconds = min(_best_time(lambda: torch.mv(mat, vec), repeats, device),
                   _best_time(mat.sum, repeats, device))

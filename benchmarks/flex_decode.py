@@ -15,6 +15,12 @@ blocks x 16 keys; the block mask lists each request's blocks (kv_indices) from i
 table, and a mask_mod cuts its last block at its length. The query heads of a KV head are
 folded into the query length (9/3 heads: 3 queries a KV head), since flex's decode kernel
 wants a power-of-two GQA ratio, and the mask ignores the query index.
+
+Reading CUDA's small batches (torch's source, not yet run): flex's decode kernel cuts each
+request's list of blocks into parts of the whole key length (here the cache's) over the
+number of parts the GPU's multiprocessors and the batch allow, so at a few requests a
+512-token context falls into one part: one thread block per request and KV head does the
+work, where the engine's gather + SDPA spreads it.
 """
 from __future__ import annotations
 

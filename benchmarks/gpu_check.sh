@@ -12,12 +12,14 @@
 #   here:    benchmarks/gpu_check.sh pack      # .gpu/1 .gpu/2 .gpu/3 (ignored by git)
 #   there:   benchmarks/gpu_check.sh stage     # carrying .gpu/1, then again carrying .gpu/2
 #   there:   benchmarks/gpu_check.sh run       # carrying .gpu/3: stages it, checks, writes $OUT
-# `run` says which part is missing when the machine went back between calls.
+# The machine goes back 30 s after a call: make the three calls back to back, reading
+# nothing in between. `run` says which part is missing when it went back between calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=${STALLFREE_GPU_STAGE:-/tmp/stallfree-gpu}
-# What the GPU machine's image lacks of what the engine and its tests import.
+STAGE=$(realpath -m "${STALLFREE_GPU_STAGE:-/tmp/stallfree-gpu}")
+# What the engine and its tests import that the GPU machine's image lacks, or has in other
+# versions than pydantic needs (typing-extensions).
 WHEELS="gguf msgspec pydantic pydantic-core annotated-types typing-inspection \
 typing-extensions xgrammar apache-tvm-ffi"
 PARTS=3
@@ -70,27 +72,29 @@ run() {
     install
     local out=${OUT:-out/gpu}
     mkdir -p "$out"
-    export PYTHONPATH="$PWD:$STAGE/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    export PYTHONPATH="$PWD:$STAGE/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 \
+        PYTHONUNBUFFERED=1
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
         python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda,
 "tf32 matmul", torch.backends.cuda.matmul.allow_tf32)'
         grep -m1 'model name' /proc/cpuinfo
     } 2>&1 | tee "$out/machine.txt" || true
-    # Each step bounded (7.5 minutes in all), so that a hang in one leaves time and output
-    # for the others.
-    timeout 210 python3 -m pytest -p no:cacheprovider -rA --junitxml="$out/tests.xml" \
+    # Each step bounded (6 minutes in all), so that a hang in one leaves time and output
+    # for the others; pytest is interrupted, not killed, so that it still reports.
+    timeout -s INT -k 15 180 python3 -m pytest -p no:cacheprovider -vv -rA \
+        --junitxml="$out/tests.xml" \
         tests/test_attention_gpu.py tests/test_engine.py tests/test_dtype.py 2>&1 \
         | tee "$out/tests.log" || true
-    timeout 150 python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log" || true
+    timeout 120 python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log" || true
     # The candidate for a decode path that reads the cache in place on CUDA, beside the
-    # engine's gather + SDPA.
-    timeout 75 python3 benchmarks/flex_decode.py 2>&1 | tee "$out/flex_decode.log" || true
+    # engine's gather + SDPA (see the script on reading its small batches).
+    timeout 60 python3 benchmarks/flex_decode.py 2>&1 | tee "$out/flex_decode.log" || true
 }
 
 case "${1:-}" in
     pack) pack ;;
     stage) stage ;;
     run) run ;;
-    *) sed -n '2,15p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,16p' "$0" >&2; exit 2 ;;
 esac

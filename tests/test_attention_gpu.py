@@ -23,8 +23,8 @@ def _on_gpu_and_cpu(batch: Batch, seqs: list[tuple[int, int, list[int]]]
     checks both wrote the same new K/V."""
     qkv = batch.qkv(sum(n for _, n, _ in seqs))
     start = batch.cache.clone()
-    exact = Batch((batch.hq, batch.hkv, batch.dim), block_size=batch.block_size)
-    exact.cache = start.float()
+    exact = Batch((batch.hq, batch.hkv, batch.dim), block_size=batch.block_size, num_blocks=1)
+    exact.cache = start.to(torch.float32, copy=True)  # its run writes the new K/V: not into start
     truth = exact.attend(seqs, False, tuple(t.float() for t in qkv))
     cpu = batch.attend(seqs, False, qkv)
     written = batch.cache

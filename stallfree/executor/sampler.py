@@ -64,7 +64,7 @@ class Sampler:
         logits = logits / temps
         logits = _filter_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):  # asked of the host: no wait for a GPU
+        if any(p.min_p > 0 for p in params):  # asked of the host: no read back from a GPU
             min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
             keep = probs >= min_ps * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))

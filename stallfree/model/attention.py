@@ -82,7 +82,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded
     block_size: int
     # The decode context lengths on the host: the decode plan reads them, which from the
-    # tensor would wait for a GPU's queue to drain at every step.
+    # tensor would be a read back from a GPU at every step.
     decode_lens: list[int]
     # Derived once per batch by `prepare()` and reused by every layer. Gathers copy
     # whole blocks (contiguous runs), not single slots.
