@@ -185,7 +185,9 @@ def main() -> None:
     from stallfree.executor.hardware import vector_flags
 
     flags = vector_flags()
-    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}; "
+    where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+             else str(device))
+    print(f"device {where}, dtype {dtype}, threads {torch.get_num_threads()}; "
           f"CPU flags: {flags}; huge pages {engine.info.huge_pages}")
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")
