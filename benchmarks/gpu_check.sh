@@ -2,8 +2,9 @@
 # Issue 17's checks on a CUDA machine, in one run of a few minutes: the transformers match
 # of the default model and bf16's agreement with float32 (tests/test_engine.py,
 # tests/test_dtype.py), paged attention on the GPU against the CPU reference
-# (tests/test_attention_gpu.py), benchmarks/engine_speed.py with the GPU's floors, and
-# benchmarks/flex_decode.py (flex_attention over the paged cache against the engine's path).
+# (tests/test_attention_gpu.py), benchmarks/engine_speed.py with the GPU's floors,
+# benchmarks/flex_decode.py (flex_attention over the paged cache against the engine's path)
+# and benchmarks/cuda_graph_step.py (a decode step launched and replayed from a CUDA graph).
 #
 # The GPU machine has PyTorch with CUDA but no package registry, and each call to it carries
 # at most 64 MiB with the repository (~18 MB). So the default model (98 MB) and the wheels
@@ -80,21 +81,22 @@ run() {
 "tf32 matmul", torch.backends.cuda.matmul.allow_tf32)'
         grep -m1 'model name' /proc/cpuinfo
     } 2>&1 | tee "$out/machine.txt" || true
-    # Each step bounded (6 minutes in all), so that a hang in one leaves time and output
+    # Each step bounded (6.5 minutes in all), so that a hang in one leaves time and output
     # for the others; pytest is interrupted, not killed, so that it still reports.
     timeout -s INT -k 15 180 python3 -m pytest -p no:cacheprovider -vv -rA \
         --junitxml="$out/tests.xml" \
         tests/test_attention_gpu.py tests/test_engine.py tests/test_dtype.py 2>&1 \
         | tee "$out/tests.log" || true
-    timeout 120 python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log" || true
+    timeout 100 python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log" || true
     # The candidate for a decode path that reads the cache in place on CUDA, beside the
     # engine's gather + SDPA (see the script on reading its small batches).
-    timeout 60 python3 benchmarks/flex_decode.py 2>&1 | tee "$out/flex_decode.log" || true
+    timeout 50 python3 benchmarks/flex_decode.py 2>&1 | tee "$out/flex_decode.log" || true
+    timeout 60 python3 benchmarks/cuda_graph_step.py 2>&1 | tee "$out/cuda_graph.log" || true
 }
 
 case "${1:-}" in
     pack) pack ;;
     stage) stage ;;
     run) run ;;
-    *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,17p' "$0" >&2; exit 2 ;;
 esac
