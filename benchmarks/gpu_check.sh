@@ -10,9 +10,9 @@
 # at most 64 MiB with the repository (~18 MB). So the default model (98 MB) and the wheels
 # the machine lacks travel in three parts, one call each, while the machine stays warm
 # between calls (the staged files live in $STAGE there):
-#   here:    benchmarks/gpu_check.sh pack      # .gpu/1 .gpu/2 .gpu/3 (ignored by git)
-#   there:   benchmarks/gpu_check.sh stage     # carrying .gpu/1, then again carrying .gpu/2
-#   there:   benchmarks/gpu_check.sh run       # carrying .gpu/3: stages it, checks, writes $OUT
+#   here:    benchmarks/gpu_check.sh pack      # after `make install`: .gpu/1 .gpu/2 .gpu/3
+#   there:   bash benchmarks/gpu_check.sh stage  # carrying .gpu/1, then again carrying .gpu/2
+#   there:   bash benchmarks/gpu_check.sh run    # carrying .gpu/3: stages, checks, fills $OUT
 # The machine goes back 30 s after a call: make the three calls back to back, reading
 # nothing in between. `run` says which part is missing when it went back between calls.
 set -euo pipefail
