@@ -41,6 +41,7 @@ def median_ms(fn, rounds: int, device: torch.device, calls: int = 10) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    fn()  # warm-up: the first call prepares the attention metadata and grows buffers
     times = []
     for _ in range(rounds):
         sync()
@@ -97,8 +98,11 @@ def main() -> None:
         try:
             replay = graphed(step, device)
         except Exception as failure:  # noqa: BLE001 - the table says why, and goes on
-            print(f"| {batch} | {launched:.2f} | capture failed: {type(failure).__name__}: "
-                  f"{str(failure)[:200]} | - |", flush=True)
+            # A capture that fails inside the block fails again at its end: the first
+            # error is the one that says why.
+            first = failure.__context__ or failure
+            print(f"| {batch} | {launched:.2f} | capture failed: {type(first).__name__}: "
+                  f"{str(first)[:200]} | - |", flush=True)
             continue
         graph = median_ms(replay, args.rounds, device)
         print(f"| {batch} | {launched:.2f} | {graph:.2f} | {launched / graph:.1f}x |",
