@@ -16,10 +16,9 @@ from stallfree import LLM
 
 # isort: split
 import argparse
-import statistics
-import time
 
 import torch
+from device_timing import device_name, median_seconds
 
 from stallfree.model.attention import AttentionMetadata
 
@@ -34,23 +33,6 @@ def decode_inputs(runner, batch: int, context: int):
     ids = torch.randint(100, 40000, (batch,), device=runner.device)
     positions = torch.full((batch,), context - 1, device=runner.device)
     return ids, positions, meta
-
-
-def median_ms(fn, rounds: int, device: torch.device, calls: int = 10) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()  # warm-up: the first call prepares the attention metadata and grows buffers
-    times = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
 
 
 def graphed(step, device: torch.device):
@@ -79,9 +61,8 @@ def main() -> None:
     llm = LLM(max_model_len=4096, dtype=args.dtype)
     runner = llm.engine.executor.runner
     model, device = runner.model, runner.device
-    where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
-             else str(device))
-    print(f"{where}, {llm.engine.dtype}, decode steps at {args.context}-token contexts")
+    print(f"{device_name(device)}, {llm.engine.dtype}, decode steps at {args.context}-token "
+          "contexts")
     print("| decodes | launched ms | graph ms | launched / graph |\n|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         ids, positions, meta = decode_inputs(runner, batch, args.context)
@@ -91,7 +72,7 @@ def main() -> None:
             hidden = model(ids, positions, meta, runner.kv_cache)
             return model.compute_logits(hidden).argmax(dim=-1)
 
-        launched = median_ms(step, args.rounds, device)
+        launched = median_seconds(step, args.rounds, device) * 1e3
         if device.type != "cuda":
             print(f"| {batch} | {launched:.2f} | - | - |", flush=True)
             continue
@@ -104,7 +85,7 @@ def main() -> None:
             print(f"| {batch} | {launched:.2f} | capture failed: {type(first).__name__}: "
                   f"{str(first)[:200]} | - |", flush=True)
             continue
-        graph = median_ms(replay, args.rounds, device)
+        graph = median_seconds(replay, args.rounds, device) * 1e3
         print(f"| {batch} | {launched:.2f} | {graph:.2f} | {launched / graph:.1f}x |",
               flush=True)
 

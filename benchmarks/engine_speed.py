@@ -29,6 +29,7 @@ import statistics
 import time
 
 import torch
+from device_timing import device_name, synchronize
 
 from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
 from stallfree.model.llama import kv_cache_bytes_per_token
@@ -50,8 +51,7 @@ def _best_time(fn, repeats: int, device: torch.device) -> float:
     kernels' end, not their launch."""
     def call() -> None:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
     call()
     best = float("inf")
@@ -185,9 +185,7 @@ def main() -> None:
     from stallfree.executor.hardware import vector_flags
 
     flags = vector_flags()
-    where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
-             else str(device))
-    print(f"device {where}, dtype {dtype}, threads {torch.get_num_threads()}; "
+    print(f"device {device_name(device)}, dtype {dtype}, threads {torch.get_num_threads()}; "
           f"CPU flags: {flags}; huge pages {engine.info.huge_pages}")
     print(f"weights {weight_bytes / 1e6:.0f} MB; measured read bandwidth {bandwidth:.1f} GB/s "
           f"-> decode floor {decode_floor_ms:.1f} ms/step; matmul {matmul:.0f} GFLOP/s")

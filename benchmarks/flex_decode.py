@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from device_timing import device_name, median_seconds
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
@@ -88,24 +88,6 @@ def reference(q: torch.Tensor, cache: torch.Tensor, seqs: list[tuple[int, int, l
     return torch.stack(out)
 
 
-def timed(fn, rounds: int, device: torch.device, calls: int = 10) -> float:
-    """Median seconds of one call over `rounds` rounds of `calls` calls each."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def compile_first_call(attend, q, cache, mask, options: dict | None
                        ) -> tuple[torch.Tensor, float, dict | None]:
     """flex's first call on this shape (it compiles): output, seconds, and the kernel
@@ -141,9 +123,10 @@ def measure(batch: int, cache: torch.Tensor, attend, options: dict | None, args,
     truth = reference(q, cache, seqs)
     errors = [((x.float() - truth).abs().max() / truth.abs().max()).item()
               for x in (out, engine())]
-    mask_s = timed(make_mask, args.rounds, device, calls=3)
-    flex_s = timed(partial(flex_decode, attend, q, cache, mask, options), args.rounds, device)
-    engine_s = timed(engine, args.rounds, device)
+    mask_s = median_seconds(make_mask, args.rounds, device, calls=3)
+    flex_s = median_seconds(partial(flex_decode, attend, q, cache, mask, options),
+                            args.rounds, device)
+    engine_s = median_seconds(engine, args.rounds, device)
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * cache.dtype.itemsize
     print(f"| {batch} | {errors[0]:.1e} | {errors[1]:.1e} | {compile_s:.1f} | "
           f"{mask_s * 1e6:.0f} | {flex_s * 1e6:.0f} | {engine_s * 1e6:.0f} | "
@@ -165,7 +148,7 @@ def main() -> None:
     cache = torch.randn(2, args.blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device,
                         generator=gen).to(dtype)
     attend = torch.compile(flex_attention, dynamic=False)  # one graph per batch size
-    print(f"{device}, {dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, contexts of "
+    print(f"{device_name(device)}, {dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, contexts of "
           f"{args.context} tokens, {args.blocks} blocks of {BLOCK}")
     print("| decodes | flex error | engine error | compile s | mask us | flex us | engine us "
           "| flex GB/s | engine GB/s |\n|---|---|---|---|---|---|---|---|---|")
