@@ -32,3 +32,11 @@ def test_quick_profile_feeds_the_cpu_cost_model(tmp_path):
     # measured times on a shared machine need not keep one (batch 1 once cost more than 4).
     shapes = [BatchShape.decode(1, 64), BatchShape.decode(4, 64), BatchShape.prefill(128)]
     assert all(0 < cost.iteration(s).total() < 60 for s in shapes)
+
+
+def test_profile_takes_dtype_auto_as_serve_does():
+    # A script that profiles and serves with one --dtype must not fail on the profile.
+    from stallfree.cli import build_parser
+
+    args = build_parser().parse_args(["profile", "--dtype", "auto", "--quick"])
+    assert args.dtype == "auto"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, option
+from ..config import DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig, option
 from ..sim import profile_store as P
 from ..sim.cost_model import BatchShape, ProfiledCostModel
 from ..sim.hardware import GpuSpec, ModelSpec
@@ -42,8 +42,8 @@ QUICK = {"tokens": [1, 16, 128], "chunks": [16, 128], "cached": [0, 128],
 class ProfileConfig:
     model: str | None = option(None, "engine model (default: SmolLM2-135M-Instruct)")
     device: str = option("cpu", "device to profile")
-    dtype: str | None = option(None, "weights and KV dtype (default: the engine's)",
-                               choices=DTYPES)
+    dtype: str | None = option(None, "weights and KV dtype (default and auto: what the "
+                               "engine picks on this device)", choices=DTYPE_CHOICES)
     device_name: str | None = option(None, "folder name (default: the device type)")
     out: str = option("profiles", "profile root to write into")
     quick: bool = option(False, "tiny grids: a smoke run")
