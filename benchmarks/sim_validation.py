@@ -22,6 +22,7 @@ import sys
 import time
 
 from stallfree.bench.systems import ServerProcess, System
+from stallfree.config import DTYPE_CHOICES
 from stallfree.sim.calibrate import VALIDATION_KEYS
 
 MODEL, BUDGET, MAX_LEN = "smollm2-135m", 512, 2048
@@ -51,7 +52,7 @@ def served(args: argparse.Namespace, rate: str, out: str) -> None:
                     "--max-model-len", str(MAX_LEN), "--dtype", args.dtype,
                     "--iteration-log", f"{out}/iters_{rate}.jsonl",
                     "--uvicorn-log-level", "warning")
-    system = System(f"serve-{rate}", command=cmd, env={"HF_HUB_OFFLINE": "1"})
+    system = System(f"serve-{rate}", command=cmd)  # the round's environment: offline, 1 thread
     with ServerProcess(system, startup_timeout=120, log_dir=out) as server:
         step(f"bench serve at {rate} req/s",
              stallfree(args.client_core, "bench", "serve", "--base-url", server.base_url,
@@ -94,7 +95,7 @@ def row(rate: str, out: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--rates", default="0.3,0.6,1.0")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--engine-core", type=int, default=1)
