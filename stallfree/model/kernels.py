@@ -4,9 +4,10 @@ switch per kernel.
 `make` builds the library into `.build/` at the repository root (`python -m
 stallfree.model.kernel_build`; STALLFREE_BUILD_DIR moves it). Its name carries a hash of
 the sources, the compile flags, torch's version and this CPU's flags, since it is compiled
-for this CPU (-march=native): a library built elsewhere or from older sources is never
-loaded. Without it (no compiler, a failed build) every kernel's caller takes its torch path,
-which stays the reference; the first time, one log line says why.
+for this CPU (-march=native, unless STALLFREE_KERNEL_MARCH names another target): a library
+built elsewhere or from older sources is never loaded. Without it (no compiler, a failed
+build) every kernel's caller takes its torch path, which stays the reference; the first
+time, one log line says why.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ logger = logging.getLogger("stallfree.model")
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))
 # -O3 and the host's vector width: the kernels are plain loops and GCC vector types.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-g0")
+# STALLFREE_KERNEL_MARCH builds for another target (x86-64-v3: the AVX2-only machines'
+# code, run on a wider CPU to check it); it is in the build tag with the other flags.
+MARCH = os.environ.get("STALLFREE_KERNEL_MARCH", "native")
+CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp", "-g0")
 LIBRARY_NAME = "kernels"
 
 
@@ -114,7 +118,8 @@ def bf16_vectors_unavailable_reason() -> str | None:
     if missing_cpu_flags(("avx512_bf16",)):
         return "this CPU lacks avx512_bf16"
     if not torch.ops.stallfree.bf16_vectors_built():
-        return "the kernels were compiled without AVX512_BF16 (a compiler that lacks it)"
+        return (f"the kernels were compiled without AVX512_BF16 (-march={MARCH}: a target "
+                "or a compiler that lacks it)")
     return None
 
 

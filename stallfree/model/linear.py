@@ -90,6 +90,22 @@ def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
     return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32", tuple(weight.shape))
 
 
+@functools.cache
+def onednn_bf16_unavailable_reason() -> str | None:
+    """Why oneDNN cannot take bf16 weights here (None: it can). AVX2-only CPUs lack what
+    its bf16 path needs, and a prepack there raises."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    try:
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        supported = False
+    if not supported:
+        return ("oneDNN's bf16 path needs avx512bw, avx512vl and avx512dq, or avx_ne_convert: "
+                "this CPU (or ONEDNN_MAX_CPU_ISA) has neither")
+    return None
+
+
 def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
     """`weight` [out, in] reordered for a kernel: a bf16 one for the AMX kernel where it can
     run, else for oneDNN's matmul; a float32 one for the float32 kernel. None where none
@@ -109,7 +125,7 @@ def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | Non
                             "amx_gated", tuple(weight.shape))
     if _amx_shape(weight) and amx_available():
         return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx", tuple(weight.shape))
-    if not PACKED.usable() or not torch.backends.mkldnn.is_available():
+    if not PACKED.usable() or onednn_bf16_unavailable_reason() is not None:
         return None
     try:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
