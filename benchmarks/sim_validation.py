@@ -23,7 +23,7 @@ import time
 
 from stallfree.bench.systems import ServerProcess, System
 from stallfree.config import DTYPE_CHOICES
-from stallfree.sim.calibrate import VALIDATION_KEYS
+from stallfree.sim.calibrate import VALIDATION_KEYS, validation_errors
 
 MODEL, BUDGET, MAX_LEN = "smollm2-135m", 512, 2048
 WORKLOAD = ["--dataset", "sharegpt", "--seed", "1", "--length-scale", "0.125",
@@ -82,11 +82,8 @@ def row(rate: str, out: str) -> str:
             return json.load(f)
 
     real, sim, rep = load("real"), load("sim"), load("replay")
-    cells = []
-    for key, _ in VALIDATION_KEYS:
-        m, s = real.get(key), sim.get(key)
-        cells.append(f"{m:.1f} / {s:.1f} ({(s - m) / m:+.1%})" if m and s is not None
-                     else f"{m} / {s}")
+    cells = [f"{m:.1f} / {s:.1f} ({err:+.1%})" if err is not None else f"{m} / {s}"
+             for _, m, s, err in validation_errors(real, sim)]
     errors = {r["batches"]: r["error"] for r in rep["rows"]}
     replayed = ", ".join(f"{errors[k]:+.1%}" if errors.get(k) is not None else "-"
                          for k in ("decode-only", "with prefill"))

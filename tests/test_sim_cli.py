@@ -129,6 +129,15 @@ def test_compare_reports(tmp_path, capsys):
                  str(tmp_path / "off.json")]) == 1
 
 
+def test_validation_errors_have_none_where_no_error_can_be_computed():
+    from stallfree.sim.calibrate import validation_errors
+
+    rows = validation_errors({"median_tbt_ms": 10.0, "p99_tbt_ms": 0.0, "median_ttft_ms": 4.0},
+                             {"median_tbt_ms": 12.0, "p99_tbt_ms": 3.0})
+    assert [(name, err) for name, _, _, err in rows] == [
+        ("median TBT", pytest.approx(0.2)), ("P99 TBT", None), ("median TTFT", None)]
+
+
 def test_parse_system_takes_a_budget_of_slo():
     assert parse_system("sarathi:slo") == ("sarathi", SLO_BUDGET, None)
     assert parse_system("sarathi:slo:64") == ("sarathi", SLO_BUDGET, 64)

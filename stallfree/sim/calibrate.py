@@ -134,18 +134,27 @@ VALIDATION_KEYS = (("median_tbt_ms", "median TBT"), ("p99_tbt_ms", "P99 TBT"),
                    ("median_ttft_ms", "median TTFT"))
 
 
+def validation_errors(measured: dict, simulated: dict
+                      ) -> list[tuple[str, float | None, float | None, float | None]]:
+    """Per metric of VALIDATION_KEYS: (name, measured, simulated, the simulation's relative
+    error, None where a report lacks the metric or the measured value is 0)."""
+    rows = []
+    for key, name in VALIDATION_KEYS:
+        m, s = measured.get(key), simulated.get(key)
+        rows.append((name, m, s, (s - m) / m if m and s is not None else None))
+    return rows
+
+
 def compare(measured: dict, simulated: dict,
             tolerance: float = DEFAULT_TOLERANCE) -> tuple[str, bool]:
     """A measured `bench serve` report against its simulation: the issue's three metrics."""
     lines = ["| metric | measured (ms) | simulated (ms) | error |", "|---|---:|---:|---:|"]
     ok = True
-    for key, name in VALIDATION_KEYS:
-        m, s = measured.get(key), simulated.get(key)
-        if m is None or s is None:
+    for name, m, s, err in validation_errors(measured, simulated):
+        if err is None:
             lines.append(f"| {name} | {m} | {s} | n/a |")
             ok = False
             continue
-        err = (s - m) / m
         ok &= abs(err) <= tolerance
         lines.append(f"| {name} | {m:.1f} | {s:.1f} | {err:+.1%} |")
     lines.append(f"\nwithin {tolerance:.0%} on all three: {'yes' if ok else 'NO'}")
