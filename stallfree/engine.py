@@ -148,7 +148,8 @@ class LLMEngine:
                                   self.max_model_len, scheduler_config.token_budget)
             logger.info("tbt_slo: iteration cost calibrated in %.1f s: %s",
                         time.perf_counter() - started, self.cost.describe())
-        self.scheduler = make_scheduler(scheduler_config, self.block_manager, self.cost)
+        self.scheduler = make_scheduler(scheduler_config, self.block_manager, self.cost,
+                                        self.model_config.logits_row_cost)
         self._groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[str, int]] = {}
         self._matchers = GrammarMatchers(self.model_config.vocab_size)
@@ -271,6 +272,9 @@ class LLMEngine:
         failed: dict[str, str] = {}
         for child_id, reason in result.failed.items():  # before update: they have no token
             self._fail(child_id, reason, failed)
+        for child_id, scored in result.prompt_logprobs.items():
+            if child_id in self._child_to_group:  # else aborted meanwhile
+                self._groups[self._child_to_group[child_id][0]].add_prompt_logprobs(scored)
         self.scheduler.update(output, result.sampled, end)
         record = dataclasses.replace(flight.record, end=end,
                                      cpu_time=time.thread_time() - flight.cpu_start,
@@ -359,6 +363,8 @@ class LLMEngine:
     def _emit(self, child_id: str, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         parent_id, index = self._child_to_group[child_id]
         group = self._groups[parent_id]
+        if group.children[index].sampling_params.max_tokens == 0:  # the prompt only
+            return group.step_output(index, None, "", None)
         delta, stop_hit = group.append(index, token, logprobs)
         grammar_ended = self._matchers.advance(child_id)
         if (stop_hit or grammar_ended) and not group.children[index].is_finished:

@@ -14,6 +14,15 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of the prompt tokens at positions [first, first + len(entries)),
+    each given the tokens before it: what one prefill chunk computed."""
+
+    first: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence (a request with n > 1 has several)."""
 
@@ -35,6 +44,9 @@ class RequestOutput:
     arrival_time: float
     first_scheduled_time: float | None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # With prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +88,8 @@ class StepOutput:
     new_text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per new token when requested
+    # The prompt's logprobs (as RequestOutput's), on a request's first step output only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def iteration_period(start: float, end: float, next_start: float | None) -> float:

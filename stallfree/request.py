@@ -70,6 +70,18 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def num_prompt_logprob_rows(self, start: int, num_tokens: int) -> int:
+        """How many positions of the chunk [start, start + num_tokens) predict a prompt token
+        (position p predicts token p + 1) and so need their logits, when prompt logprobs
+        were asked for; 0 otherwise."""
+        if not self.wants_prompt_logprobs:
+            return 0
+        return max(0, min(start + num_tokens, self.num_prompt_tokens - 1) - start)
+
+    @property
     def is_prefill(self) -> bool:
         """True until the whole prompt (and any outputs to recompute) is cached."""
         return self.num_tokens_to_compute > 1 or self.num_computed_tokens == 0

@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
+from .outputs import CompletionOutput, PromptLogprobs, RequestOutput, StepOutput, TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -29,6 +29,10 @@ class RequestGroup:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:
+                # The prompt is scored once, by the first sequence; the others may then
+                # share its prompt's KV from the prefix cache.
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             self.children.append(Request(child_id, prompt_token_ids, child_params, arrival_time,
                                          eos_token_ids=eos_token_ids))
@@ -37,6 +41,10 @@ class RequestGroup:
                              for _ in self.children]
         self.stop_hit = [False] * params.n
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in self.children]
+        # Position p's entry once computed (the first stays None); None when not asked for.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+        self._prompt_logprobs_sent = False
 
     @property
     def is_finished(self) -> bool:
@@ -58,13 +66,30 @@ class RequestGroup:
             self.logprobs[index].append(logprobs)
         return delta, hit
 
-    def step_output(self, index: int, token: int, delta: str,
+    def add_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """Records a chunk's prompt logprobs. A recompute after preemption computes the
+        same positions again: the first values stay."""
+        table = self.prompt_logprobs
+        if table is None:
+            return
+        for position, entry in enumerate(scored.entries, scored.first):
+            if 0 < position < len(table) and table[position] is None:
+                table[position] = entry
+
+    def step_output(self, index: int, token: int | None, delta: str,
                     logprobs: TokenLogprobs | None) -> StepOutput:
+        """Child `index`'s new token (None: none, the prompt was all it asked for)."""
         child = self.children[index]
         if child.is_finished:
             delta += self.detokenizers[index].flush()
-        return StepOutput(self.request_id, index, [token], delta, child.finish_reason,
-                          None if logprobs is None else [logprobs])
+        # The prompt's logprobs ride on the request's first output: the prompt is complete
+        # by then, and a stream can show them before the first token.
+        prompt = None
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            prompt, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
+        return StepOutput(self.request_id, index, [] if token is None else [token], delta,
+                          child.finish_reason,
+                          None if logprobs is None else [logprobs], prompt)
 
     def output(self) -> RequestOutput:
         outputs = [CompletionOutput(i, detok.text, list(child.output_token_ids),
@@ -78,4 +103,5 @@ class RequestGroup:
         # (with n > 1 the others share its blocks).
         cached = self.children[0].num_cached_tokens or 0
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.arrival_time, min(first) if first else None, cached)
+                             self.arrival_time, min(first) if first else None, cached,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

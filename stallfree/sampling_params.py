@@ -27,7 +27,7 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) disables top-k
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: the prompt only (to read its prompt_logprobs)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -39,6 +39,10 @@ class SamplingParams:
     # Return the sampled token's log-probability plus this many most likely
     # alternatives per step; None returns none.
     logprobs: int | None = None
+    # Return every prompt token's log-probability given the tokens before it (the first
+    # has none) plus this many most likely alternatives per position; None returns none.
+    # As vLLM's prompt_logprobs: what scoring (lm-eval's loglikelihood) reads.
+    prompt_logprobs: int | None = None
     # Constrained decoding: a JSON schema, regex, choice or grammar the output must match
     # (a StructuredOutputs, or a dict of its fields such as {"regex": "[0-9]+"}).
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
@@ -68,8 +72,9 @@ class SamplingParams:
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "must be an integer >= 1 or None")
+        # 0 computes the prompt and generates nothing: scoring it (with prompt_logprobs).
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+              "max_tokens", "must be an integer >= 0 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
               "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -79,6 +84,9 @@ class SamplingParams:
               "stop_token_ids", "must be non-negative integers")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer in [0, 20] or None")
+        check(self.prompt_logprobs is None
+              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be an integer in [0, 20] or None")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
               "repetition_penalty", "must be > 0")

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from ..executor.base import RunnerOutput
-from ..outputs import TokenLogprobs
+from ..outputs import PromptLogprobs, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..scheduler.output import SchedulerOutput
 
@@ -98,6 +98,10 @@ class WireChunk(msgspec.Struct, array_like=True):
     token_ids: list[int]
     samples: bool
     sampling: WireSampling | None = None
+    # Prompt logprobs: the top alternatives asked for, and the prompt tokens this chunk's
+    # positions predict (empty when none were asked for).
+    prompt_logprobs: int | None = None
+    prompt_logprob_targets: list[int] = []
 
 
 class KvMessage(msgspec.Struct, tag="kv"):
@@ -121,6 +125,7 @@ class RunResult(msgspec.Struct):
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     failed: dict[str, str] = {}
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 # ---- the engine's side ----------------------------------------------------------------
@@ -137,7 +142,8 @@ def run_message(output: SchedulerOutput) -> RunMessage:
                                     r.prompt_token_ids if history else [],
                                     r.output_token_ids if history else [])
         chunks.append(WireChunk(c.request_id, c.start, c.num_tokens, c.block_table,
-                                c.token_ids, c.samples, sampling))
+                                c.token_ids, c.samples, sampling, c.prompt_logprobs,
+                                c.prompt_logprob_targets))
     # Structured outputs (when the engine has them) constrain sampling with a bitmask.
     mask = getattr(output, "token_bitmask", None)
     bitmask = None if mask is None else WireBitmask(
@@ -147,11 +153,12 @@ def run_message(output: SchedulerOutput) -> RunMessage:
 
 
 def result_message(output: RunnerOutput) -> RunResult:
-    return RunResult(output.sampled, output.logprobs, output.failed)
+    return RunResult(output.sampled, output.logprobs, output.failed, output.prompt_logprobs)
 
 
 def runner_output(result: RunResult) -> RunnerOutput:
-    return RunnerOutput(result.sampled, result.logprobs, failed=result.failed)
+    return RunnerOutput(result.sampled, result.logprobs, failed=result.failed,
+                        prompt_logprobs=result.prompt_logprobs)
 
 
 # ---- the worker's side ----------------------------------------------------------------
@@ -182,6 +189,8 @@ class WorkerChunk:
     token_ids: list[int]
     samples: bool
     request: SamplingView | None
+    prompt_logprobs: int | None = None
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -203,7 +212,8 @@ def worker_batch(message: RunMessage) -> WorkerBatch:
                                 frozenset(s.eos_token_ids), s.prompt_token_ids,
                                 s.output_token_ids)
         chunks.append(WorkerChunk(c.request_id, c.start, c.num_tokens, c.block_table,
-                                  c.token_ids, c.samples, view))
+                                  c.token_ids, c.samples, view, c.prompt_logprobs,
+                                  c.prompt_logprob_targets))
     batch = WorkerBatch(chunks)
     if message.bitmask is not None:
         import torch

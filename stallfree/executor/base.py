@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..outputs import TokenLogprobs
+from ..outputs import PromptLogprobs, TokenLogprobs
 from ..scheduler.output import SchedulerOutput
 
 
@@ -20,6 +20,8 @@ class RunnerOutput:
     stage_times: list[tuple[float, float]] = field(default_factory=list)
     # Requests whose sampling raised (request id -> reason); the batch's others sampled.
     failed: dict[str, str] = field(default_factory=dict)
+    # Request id -> the prompt logprobs its chunk computed, where asked for.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class Executor(Protocol):

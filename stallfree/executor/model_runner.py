@@ -11,6 +11,7 @@ from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM, allocate_kv_cache
 from ..scheduler.output import SchedulerOutput
 from .base import RunnerOutput
+from .prompt_logprobs import prompt_logprobs
 from .sampler import Sampler, token_logprobs
 
 
@@ -57,7 +58,9 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        offsets: list[int] = []
         for chunk in chunks:
+            offsets.append(len(token_ids))
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             if chunk.samples:
@@ -74,11 +77,12 @@ class ModelRunner:
         if not self.shard.is_last_stage:
             self.pipe.send(hidden)
             return RunnerOutput()
+        scored = prompt_logprobs(self.model, hidden, chunks, offsets, self.shard.tp_rank == 0)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             if self.device.type == "cuda":  # the iteration ends with its kernels, not their launch
                 torch.cuda.synchronize(self.device)
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=scored)
         if len(sample_rows) < len(token_ids):  # else each chunk is one row, and it samples
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden)
@@ -89,9 +93,12 @@ class ModelRunner:
             tokens = self.sampler(logits, requests, output.token_bitmask, output.bitmask_rows)
             logprobs = token_logprobs(logits, tokens, requests)
         except Exception:  # noqa: BLE001 - find the request(s) at fault, sample the rest
-            return self._sample_one_by_one(logits, requests, output)
-        return RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
-                            {requests[i].request_id: lp for i, lp in logprobs.items()})
+            result = self._sample_one_by_one(logits, requests, output)
+        else:
+            result = RunnerOutput({r.request_id: t for r, t in zip(requests, tokens)},
+                                  {requests[i].request_id: lp for i, lp in logprobs.items()})
+        result.prompt_logprobs = scored
+        return result
 
     def _sample_one_by_one(self, logits: torch.Tensor, requests: list,
                            output: SchedulerOutput) -> RunnerOutput:

@@ -183,16 +183,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int],
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     if not rows:
         return {}
-    logprobs = logits[rows].float().log_softmax(dim=-1)
     most = max(requests[i].sampling_params.logprobs for i in rows)
-    top_vals, top_ids = logprobs.topk(max(most, 1), dim=-1)
-    chosen = logprobs[torch.arange(len(rows), device=logits.device),
-                      torch.tensor([tokens[i] for i in rows], device=logits.device)]
+    entries = rows_logprobs(logits[rows], [tokens[i] for i in rows], most)
+    result = {}
+    for entry, i in zip(entries, rows):
+        entry.top = entry.top[:requests[i].sampling_params.logprobs]
+        result[i] = entry
+    return result
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Row i's log-probability of tokens[i] and its `top` most likely tokens, best first."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top_vals, top_ids = logprobs.topk(max(top, 1), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens), device=logits.device),
+                      torch.tensor(tokens, device=logits.device)]
     # To the host in three copies, not three per row (each a wait on a GPU).
     top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
-    result = {}
-    for j, i in enumerate(rows):
-        k = requests[i].sampling_params.logprobs
-        top = list(zip(top_ids[j][:k], top_vals[j][:k]))
-        result[i] = TokenLogprobs(tokens[i], chosen[j], top)
-    return result
+    return [TokenLogprobs(t, c, list(zip(ids[:top], vals[:top])))
+            for t, c, ids, vals in zip(tokens, chosen, top_ids, top_vals)]

@@ -29,7 +29,8 @@ class Batch:
     token_budget: int
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    num_tokens: int = 0  # budget spent: tokens, plus what prompt logprobs' rows charge
+    charges: dict[str, int] = field(default_factory=dict)  # what each chunk spent
     stretched: bool = False  # token_budget was raised for one oversized whole prefill
     num_admitted: int = 0  # requests moved from waiting to running by this iteration
 
@@ -47,17 +48,22 @@ class Batch:
         self.token_budget = max(self.token_budget, self.num_tokens + num_tokens)
         self.stretched = True
 
-    def add(self, chunk: ScheduledChunk) -> None:
+    def add(self, chunk: ScheduledChunk, charge: int = 0) -> None:
+        """Adds a chunk that costs `charge` budget tokens (its tokens, or more for prompt
+        logprobs). It spends at most the budget left: the scheduler sizes chunks to their
+        charge, but lets a one-token scoring chunk through whatever its logits cost
+        (Scheduler._affordable), so that no request can starve."""
         assert chunk.request_id not in self.chunks, f"{chunk.request_id!r} scheduled twice"
         assert chunk.num_tokens <= self.budget_left, "chunk exceeds the token budget"
+        charge = min(max(charge, chunk.num_tokens), self.budget_left)
         self.chunks[chunk.request_id] = chunk
-        self.num_tokens += chunk.num_tokens
+        self.charges[chunk.request_id] = charge
+        self.num_tokens += charge
 
     def remove(self, request_id: str) -> None:
-        """Drops a chunk (its request was preempted) and gives its tokens back."""
-        chunk = self.chunks.pop(request_id, None)
-        if chunk is not None:
-            self.num_tokens -= chunk.num_tokens
+        """Drops a chunk (its request was preempted) and gives its budget back."""
+        if self.chunks.pop(request_id, None) is not None:
+            self.num_tokens -= self.charges.pop(request_id)
 
 
 class Scheduler:
@@ -66,6 +72,10 @@ class Scheduler:
     # False for policies that only run whole prefills: a (re)computed sequence
     # must then fit the KV cache in one go, and may exceed the token budget.
     chunked_prefill: ClassVar[bool] = True
+    # What one prompt position whose logprobs were asked for costs, in budget tokens: its
+    # logits row (a matmul with the vocabulary) on top of the layers. Set per model by
+    # make_scheduler; 1.0 charges it as a plain token.
+    prompt_logprob_cost: float = 1.0
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         if config.max_model_len is None:
@@ -257,9 +267,29 @@ class Scheduler:
             if victim is request:
                 return False
         bm.allocate(request, num_tokens)
-        batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
-                                 bm.block_table(request.request_id)))
+        start = request.num_computed_tokens
+        batch.add(ScheduledChunk(request, start, num_tokens, bm.block_table(request.request_id)),
+                  self._charge(request, start, num_tokens))
         return True
+
+    def _charge(self, request: Request, start: int, num_tokens: int) -> int:
+        """The budget a chunk costs: its tokens, plus the logits rows of prompt logprobs at
+        their extra cost."""
+        rows = request.num_prompt_logprob_rows(start, num_tokens)
+        return num_tokens + int(rows * (self.prompt_logprob_cost - 1.0))
+
+    def _affordable(self, batch: Batch, request: Request, start: int, num_tokens: int) -> int:
+        """`num_tokens` cut down until the chunk's charge fits the budget left. Charging a
+        scoring request's logits keeps an iteration's cost, and so every other request's
+        time between tokens, what it would be without them. One token always passes
+        while budget is left: with a small budget or a small model (whose LM head may
+        cost dozens of tokens' layers), an iteration overruns by one logits row rather
+        than the request never running."""
+        wanted = num_tokens
+        while num_tokens > 0 and self._charge(request, start, num_tokens) > batch.budget_left:
+            over = self._charge(request, start, num_tokens) - batch.budget_left
+            num_tokens -= max(1, int(over / self.prompt_logprob_cost))
+        return max(num_tokens, 1 if wanted > 0 and batch.budget_left > 0 else 0)
 
     def _try_admit(self, batch: Batch, num_tokens: int, hit: PrefixHit) -> bool:
         """Moves the head of the waiting queue to running with a first chunk of `num_tokens`
@@ -276,7 +306,8 @@ class Scheduler:
         self.running.append(request)
         batch.num_admitted += 1
         batch.add(ScheduledChunk(request, request.num_computed_tokens, num_tokens,
-                                 self.block_manager.block_table(request.request_id)))
+                                 self.block_manager.block_table(request.request_id)),
+                  self._charge(request, hit.num_tokens, num_tokens))
         return True
 
     def _admit_chunked(self, batch: Batch) -> None:
@@ -289,7 +320,8 @@ class Scheduler:
         while self.waiting and batch.budget_left > 0:
             head = self.waiting[0]
             hit = self.block_manager.find_cached_prefix(head)
-            num_tokens = self._chunk_size(batch, hit.num_tokens, head.num_tokens - hit.num_tokens)
+            num_tokens = self._affordable(batch, head, hit.num_tokens, self._chunk_size(
+                batch, hit.num_tokens, head.num_tokens - hit.num_tokens))
             if num_tokens == 0 or not self._try_admit(batch, num_tokens, hit):
                 return  # no skipping: a large request at the head must not starve
 
@@ -311,10 +343,11 @@ class Scheduler:
         num_tokens = request.num_tokens - hit.num_tokens
         # Counted by admissions, not by is_prefill: a recompute whose cached prefix leaves
         # one token looks like a decode, yet it is an admission of this iteration too.
-        if (num_tokens > self.config.token_budget and not batch.num_admitted
+        charge = self._charge(request, hit.num_tokens, num_tokens)
+        if (charge > self.config.token_budget and not batch.num_admitted
                 and self._can_admit(request, num_tokens, hit)):
-            batch.stretch(num_tokens)
-        return self._try_admit(batch, num_tokens, hit)
+            batch.stretch(charge)
+        return charge <= batch.budget_left and self._try_admit(batch, num_tokens, hit)
 
     def _can_admit(self, request: Request, num_tokens: int, hit: PrefixHit) -> bool:
         """Limits on admission other than the token budget; policies may add their own."""
@@ -369,6 +402,10 @@ class Scheduler:
             self.block_manager.cache_computed_blocks(request)
             self._release_held(request)
             if not chunk.samples:
+                continue
+            if request.sampling_params.max_tokens == 0:  # the prompt was all it asked for
+                self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
                 continue
             if request.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {request.request_id!r}, "

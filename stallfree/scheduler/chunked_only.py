@@ -42,6 +42,8 @@ class ChunkedOnlyScheduler(Scheduler):
             if batch.budget_left == 0:
                 return
             if request.status is RequestStatus.RUNNING and request.is_prefill:
-                num_tokens = min(request.num_tokens_to_compute, batch.budget_left)
-                self._schedule_running(batch, request, num_tokens)
+                num_tokens = self._affordable(batch, request, request.num_computed_tokens, min(
+                    request.num_tokens_to_compute, batch.budget_left))
+                if num_tokens:
+                    self._schedule_running(batch, request, num_tokens)
         self._admit_chunked(batch)

@@ -128,7 +128,11 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """The longest chain of cached full blocks matching the start of a request that holds
         no blocks. It always leaves at least one token to compute, so logits exist."""
-        if not self.enable_caching or request.request_id in self._tables:
+        # A request asking for its prompt's logprobs computes every prompt position: a
+        # cached block holds keys and values, not the logits those positions need. It
+        # still caches its own blocks for later requests.
+        if (not self.enable_caching or request.request_id in self._tables
+                or request.wants_prompt_logprobs):
             return NO_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []

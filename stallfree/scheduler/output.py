@@ -41,6 +41,18 @@ class ScheduledChunk:
         return self.request.request_id
 
     @property
+    def prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt position when its logprobs were asked for, else None."""
+        return self.request.sampling_params.prompt_logprobs
+
+    @property
+    def prompt_logprob_targets(self) -> list[int]:
+        """The prompt tokens this chunk's first positions predict (position p predicts token
+        p + 1), whose logprobs the runner reports; empty unless they were asked for."""
+        rows = self.request.num_prompt_logprob_rows(self.start, self.num_tokens)
+        return self.request.prompt_token_ids[self.start + 1:self.start + 1 + rows]
+
+    @property
     def token_ids(self) -> list[int]:
         """The tokens at positions [start, start + num_tokens)."""
         prompt = self.request.prompt_token_ids

@@ -28,8 +28,9 @@ class SarathiScheduler(Scheduler):
                 break
             if (request.status is RequestStatus.RUNNING and request.is_prefill
                     and request.request_id not in batch.chunks):
-                num_tokens = self._chunk_size(batch, request.num_computed_tokens,
-                                              request.num_tokens_to_compute)
+                start = request.num_computed_tokens
+                num_tokens = self._affordable(batch, request, start, self._chunk_size(
+                    batch, start, request.num_tokens_to_compute))
                 if num_tokens == 0:
                     break
                 self._schedule_running(batch, request, num_tokens)
