@@ -11,6 +11,10 @@ from ..request import Request
 # a 32-row decode step (49K vocabulary, 2-core EPYC). STALLFREE_ARGMAX_KERNEL=0 keeps torch's.
 ARGMAX = KernelSwitch("STALLFREE_ARGMAX_KERNEL")
 
+# The largest temperature that divides as asked: float32 (the logits' type) holds no more,
+# and an infinite one turns every logit into 0 and a masked -inf into NaN, which the
+# inverse CDF then reads as allowed. Beyond it the distribution is already uniform.
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the 64-bit seed space
 
 
@@ -60,7 +64,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        temps = torch.tensor([min(p.temperature, _MAX_TEMPERATURE) for p in params],
+                             device=device).unsqueeze(1)
         logits = logits / temps
         logits = _filter_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
