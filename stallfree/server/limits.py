@@ -38,9 +38,11 @@ def check_request_limits(limits: RequestLimits, params: SamplingParams,
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
         refuse("stop_token_ids", f"{len(params.stop_token_ids)} stop_token_ids; at most "
                                  f"{limits.max_stop_token_ids}", "max-stop-token-ids")
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        refuse("logprobs", f"{params.logprobs} top logprobs per token; at most "
-                           f"{limits.max_logprobs}", "max-logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > limits.max_logprobs:
+            refuse(name, f"{asked} top logprobs per token; at most {limits.max_logprobs}",
+                   "max-logprobs")
 
 
 class BodyLimitMiddleware:

@@ -95,7 +95,8 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
             raise UnsupportedFeature("logit_bias", "logit_bias is not supported yet")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
-                         constraint: StructuredOutputs | None = None) -> SamplingParams:
+                         constraint: StructuredOutputs | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise UnsupportedFeature("stop", "stop strings must not be empty")
@@ -103,7 +104,8 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
-            logprobs=logprobs, structured_outputs=constraint or self.constraint(),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=constraint or self.constraint(),
             tbt_slo=self.tbt_slo)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1),
                               ("min_p", 0.0), ("repetition_penalty", 1.0),
@@ -121,9 +123,13 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
 class CompletionRequest(_SamplingFields):
     prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    # 0 with echo (or prompt_logprobs) scores the prompt and generates nothing.
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives, in the choice's
+    # own prompt_logprobs field (echo + logprobs gives them in OpenAI's legacy format).
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     suffix: StrictStr | None = None
 
@@ -142,7 +148,18 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedFeature("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFeature("best_of", "best_of other than n is not supported yet")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.scores_prompt:
+            raise UnsupportedFeature("max_tokens", "max_tokens 0 generates nothing: it needs "
+                                                   "echo or prompt_logprobs to return the prompt")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed tokens carry logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs,
+                                     prompt_logprobs=prompt_logprobs)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo or self.prompt_logprobs is not None
 
 
 class CompletionChoice(BaseModel):
@@ -150,6 +167,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    # With prompt_logprobs, vLLM's format: None for the first token, then per token
+    # {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -1,5 +1,8 @@
-"""POST /tokenize and /detokenize: the served model's tokenizer and chat template."""
+"""POST /tokenize and /detokenize, GET /tokenizer_info: the served model's tokenizer and chat
+template, for clients that tokenize on their side (lm-eval's remote tokenizer)."""
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter
 
@@ -38,3 +41,29 @@ async def detokenize(body: DetokenizeRequest,
     state.check_model(body.model)
     state.check_token_ids(body.tokens, "tokens")
     return DetokenizeResponse(prompt=await state.decode(body.tokens))
+
+
+# The special tokens a client may ask for by name (as transformers names them).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                  "mask_token")
+
+
+def tokenizer_info(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """What vLLM's /tokenizer_info serves: the tokenizer's class, its special tokens (text,
+    and id beside), its chat template, and the longest sequence served."""
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__,
+                            "model_max_length": max_model_len,
+                            "chat_template": getattr(tokenizer, "chat_template", None)}
+    for name in SPECIAL_TOKENS:
+        token = getattr(tokenizer, name, None)
+        if isinstance(token, str):
+            info[name] = token
+            info[f"{name}_id"] = tokenizer.convert_tokens_to_ids(token)
+    extra = getattr(tokenizer, "additional_special_tokens", None) or []
+    info["additional_special_tokens"] = [str(t) for t in extra]
+    return info
+
+
+@router.get("/tokenizer_info", responses={401: ERROR_RESPONSES[401]})
+async def get_tokenizer_info(state: StateDep) -> dict[str, Any]:
+    return await state.offload(tokenizer_info, state.max_model_len)
