@@ -9,6 +9,8 @@ import xgrammar as xgr
 from stallfree import SamplingParams
 from stallfree.executor.sampler import Sampler
 from stallfree.request import Request
+from stallfree.structured import build_grammar
+from stallfree.structured_outputs import ConstraintError, StructuredOutputs
 
 
 # ---- the mask holds at every temperature ---------------------------------------------
@@ -28,3 +30,21 @@ def test_a_huge_temperature_keeps_the_mask(temperature, extra):
               for seed in range(40)]
     assert {masked for masked, _ in picked} == allowed  # uniform over the allowed: both
     assert len({free for _, free in picked}) > 2  # unmasked: anything, no NaN row
+
+
+# ---- what cannot be enforced is refused -----------------------------------------------
+@pytest.mark.parametrize("schema", [
+    {"$ref": "http://example.com/person.json"},
+    {"type": "object", "properties": {"a": {"$ref": "other.json#/$defs/a"}}},
+    {"type": "array", "items": {"$ref": 5}},
+])
+def test_an_external_ref_is_refused_naming_the_field(schema):
+    with pytest.raises(ConstraintError) as err:
+        build_grammar(StructuredOutputs(json=schema, source="response_format.json_schema"
+                                                            ".schema"))
+    assert err.value.param == "response_format.json_schema.schema" and "$ref" in str(err.value)
+
+
+def test_a_local_ref_still_compiles():
+    build_grammar(StructuredOutputs(json={"$ref": "#/$defs/a",
+                                          "$defs": {"a": {"type": "integer"}}}))

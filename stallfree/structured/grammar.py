@@ -63,6 +63,11 @@ def _unenforced(schema: Any) -> str | None:
             return key
     if schema.get("uniqueItems") is True:
         return "uniqueItems"
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        # xgrammar only warns and lets the subschema be any JSON: the output would not
+        # follow the schema the client meant.
+        return f"$ref to {ref!r} (only references within the schema, '#/...', are)"
     if len(schema.get("allOf") or []) > 1:
         return "allOf (of more than one schema)"
     subschemas = [schema.get(k) for k in _SCHEMA_ONE]
