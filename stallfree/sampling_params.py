@@ -71,7 +71,9 @@ class SamplingParams:
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        # 64 bits, what torch's generators and the workers' messages carry.
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+              "seed", "must be an integer in [-2**63, 2**64) or None")
         # 0 computes the prompt and generates nothing: scoring it (with prompt_logprobs).
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
               "max_tokens", "must be an integer >= 0 or None")

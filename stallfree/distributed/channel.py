@@ -2,17 +2,21 @@
 
 The store is the rendezvous every torch.distributed job already has (MASTER_ADDR,
 MASTER_PORT), so the same messages reach workers on this machine or on others.
-Each message is msgpack of an explicit type (`messages.py`), never a pickle, signed
-with HMAC-SHA256 under a per-run secret: anyone who can reach the store's port but
-lacks the secret can neither forge nor replay a message under another key, and a
-message that fails its check raises `ForgedMessage` before anything is decoded.
-Readers poll for the key (no blocking wait: an idle server would otherwise time
-out or log every second).
+Each message is msgpack of an explicit type (`messages.py`), never a pickle,
+encrypted and signed under a per-run secret (encrypt-then-MAC, HMAC-SHA256): anyone
+who can reach the store's port but lacks the secret can read no prompt from it, and
+can neither forge a message nor replay one under another key. The store is no
+control surface: a value that fails its check is never decoded, and a reader waiting
+for a key skips it (logged once) until the genuine message overwrites it, so a
+forged key stops, fails or feeds nothing. A message that cannot be encoded raises
+before anything is written. Readers poll for the key (no blocking wait: an idle
+server would otherwise time out or log every second).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
@@ -23,15 +27,22 @@ import msgspec
 import torch.distributed as dist
 
 T = TypeVar("T")
+logger = logging.getLogger("stallfree.distributed")
 
 CHECK_EVERY_S = 0.5  # how often a waiting reader runs its liveness check
 SECRET_ENV = "STALLFREE_WORKER_SECRET"  # hex; or a file holding it:
 SECRET_FILE_ENV = "STALLFREE_WORKER_SECRET_FILE"
 _MAC_BYTES = 32
+_NONCE_BYTES = 16  # random per message: a keystream is never used twice
 
 
 class ForgedMessage(RuntimeError):
     """A message whose signature does not match: not from this run's engine or workers."""
+
+
+class MalformedMessage(RuntimeError):
+    """A signed message that is not the type its key holds: engine and workers of
+    different versions (never skipped: waiting would not fix it)."""
 
 
 def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
@@ -58,43 +69,77 @@ def new_secret() -> bytes:
 
 
 class Channel:
-    """Signed, typed messages under string keys of a store."""
+    """Encrypted, signed, typed messages under string keys of a store."""
 
     def __init__(self, store: dist.Store, secret: bytes) -> None:
         self.store = store
-        self._secret = secret
+        # One key per use, derived from the secret: signing and encrypting never share one.
+        self._mac_key = hmac.new(secret, b"stallfree/mac", hashlib.sha256).digest()
+        self._cipher_key = hmac.new(secret, b"stallfree/cipher", hashlib.sha256).digest()
         self._encoder = msgspec.msgpack.Encoder()
+        self._forged: dict[str, bytes] = {}  # key -> the forged value last reported there
 
-    def _mac(self, key: str, payload: bytes) -> bytes:
+    def _mac(self, key: str, sealed: bytes) -> bytes:
         # The key is signed with the payload: a message cannot be moved to another key.
-        return hmac.new(self._secret, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+        return hmac.new(self._mac_key, key.encode() + b"\0" + sealed, hashlib.sha256).digest()
+
+    def _xor(self, nonce: bytes, data: bytes) -> bytes:
+        """`data` XOR SHAKE-256(key, nonce)'s stream: encrypts and decrypts (a keyed XOF
+        as a stream cipher; the standard library has no AES)."""
+        stream = hashlib.shake_256(self._cipher_key + nonce).digest(len(data))
+        return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")
+                ).to_bytes(len(data), "little")
 
     def put(self, key: str, obj: Any) -> None:
+        """Writes `obj` under `key`; raises (having written nothing) if it cannot be encoded."""
         payload = self._encoder.encode(obj)
-        self.store.set(key, self._mac(key, payload) + payload)
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        sealed = nonce + self._xor(nonce, payload)
+        self.store.set(key, self._mac(key, sealed) + sealed)
 
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
     def read(self, key: str, type_: type[T]) -> T:
-        """The message under `key` (which must exist), checked and decoded as `type_`."""
+        """The message under `key` (which must exist), checked and decoded as `type_`;
+        raises ForgedMessage if it is not this run's."""
+        return self._open(key, self.store.get(key), type_)
+
+    def read_genuine(self, key: str, type_: type[T]) -> T | None:
+        """The message under `key` if there is one from this run, else None: a forged
+        value is ignored (and logged once), as if the key were not there."""
+        if not self.store.check([key]):
+            return None
         raw = self.store.get(key)
-        mac, payload = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
-        if len(raw) < _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, payload)):
+        try:
+            return self._open(key, raw, type_)
+        except ForgedMessage as exc:
+            if self._forged.get(key) != raw[:_MAC_BYTES]:  # once per value, not every poll
+                self._forged[key] = raw[:_MAC_BYTES]
+                logger.warning("ignored a message not from this run's engine or workers: %s",
+                               exc)
+            return None
+
+    def _open(self, key: str, raw: bytes, type_: type[T]) -> T:
+        mac, sealed = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if len(raw) < _MAC_BYTES + _NONCE_BYTES \
+                or not hmac.compare_digest(mac, self._mac(key, sealed)):
             raise ForgedMessage(f"rejected the message under {key!r}: its signature does not "
                                 f"match this run's secret (is something else writing to the "
                                 f"store's port?)")
+        self._forged.pop(key, None)
+        payload = self._xor(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:])
         try:
             return msgspec.msgpack.decode(payload, type=type_)
         except msgspec.DecodeError as exc:  # signed but malformed: a version mismatch
-            raise ForgedMessage(f"the message under {key!r} is not a {type_}: {exc}") from exc
+            raise MalformedMessage(f"the message under {key!r} is not a {type_}: {exc}") from exc
 
     def get(self, key: str, type_: type[T], check: Callable[[], None] | None = None) -> T:
-        """Waits until `key` exists and returns its message. `check` runs every half
-        second meanwhile and should raise if waiting is pointless (a peer died)."""
+        """Waits until `key` holds a genuine message and returns it. `check` runs every
+        half second meanwhile and should raise if waiting is pointless (a peer died)."""
         start = time.monotonic()
         next_check = start + CHECK_EVERY_S
-        while not self.store.check([key]):
+        while (message := self.read_genuine(key, type_)) is None:
             now = time.monotonic()
             if check is not None and now >= next_check:
                 check()
@@ -102,8 +147,9 @@ class Channel:
             # Short sleeps while busy (a reply is due within an iteration), up to 20 ms
             # when idle, so idle workers cost almost nothing.
             time.sleep(min(0.02, 0.0001 + (now - start) * 0.02))
-        return self.read(key, type_)
+        return message
 
     def delete(self, *keys: str) -> None:
         for key in keys:
             self.store.delete_key(key)
+            self._forged.pop(key, None)

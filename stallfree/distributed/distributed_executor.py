@@ -7,7 +7,9 @@ message is typed and signed (channel.py). The store listens on loopback only whe
 every rank is local, else on MASTER_ADDR's interface alone. With PP = M, up to M
 batches are in flight: stage 0 starts batch k+1 while stage 1 still computes batch
 k. A rank whose heartbeat stops for HEARTBEAT_DEADLINE_S fails the engine
-(`WorkerError`) instead of leaving it waiting.
+(`WorkerError`) instead of leaving it waiting. A chunk whose values cannot be sent
+fails its request alone, and the batch index advances only once a batch is written,
+so the workers never wait for a message that was not sent.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .messages import (
     WorkerInfo,
     run_message,
     runner_output,
+    without_unsendable,
 )
 
 # A rank silent this long is taken for dead (it posts every 0.5 s; a busy rank too,
@@ -117,7 +120,9 @@ class DistributedExecutor:
         # Stops the workers when the engine is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop_workers, self.channel, self.procs)
         self._next = 0  # index of the next message
-        self._in_flight: deque[int] = deque()
+        # Per batch submitted: its index (None if nothing of it was sent) and the requests
+        # that failed to send, answered with its result.
+        self._in_flight: deque[tuple[int | None, dict[str, str]]] = deque()
         self._heartbeats: dict[int, tuple[int, float]] = {}  # rank -> (last count, seen at)
         self.workers: list[WorkerInfo] = self._wait_ready(parallel.startup_timeout)
 
@@ -152,8 +157,8 @@ class DistributedExecutor:
             dead.sort(key=lambda item: item[1].returncode >= 0)
             failure = "; ".join(f"worker rank {rank} (pid {proc.pid}) exited with code "
                                 f"{proc.returncode}" for rank, proc in dead)
-        if failure is None and self.channel.has("error"):
-            failure = self.channel.read("error", str)
+        if failure is None:  # a forged error is no failure: only a rank's signed one is
+            failure = self.channel.read_genuine("error", str)
         if failure is None:
             failure = self._silent_rank()
         if failure is not None:
@@ -169,10 +174,9 @@ class DistributedExecutor:
         still starting; the startup timeout covers it)."""
         now = time.monotonic()
         for rank in range(self.world_size):
-            key = f"hb/{rank}"
-            if not self.channel.has(key):
+            count = self.channel.read_genuine(f"hb/{rank}", int)  # a forged one is none
+            if count is None:
                 continue
-            count = self.channel.read(key, int)
             last = self._heartbeats.get(rank)
             if last is None or last[0] != count:
                 self._heartbeats[rank] = (count, now)
@@ -182,8 +186,9 @@ class DistributedExecutor:
         return None
 
     def _send(self, message: object) -> int:
-        index, self._next = self._next, self._next + 1
-        self.channel.put(f"msg/{index}", message)
+        index = self._next
+        self.channel.put(f"msg/{index}", message)  # raises having written nothing
+        self._next = index + 1  # only now: the workers wait for msg/<index> next
         return index
 
     # ---- the executor interface (executor/base.py) -----------------------------
@@ -200,12 +205,23 @@ class DistributedExecutor:
             self.channel.delete(f"ack/{index}/{rank}")
 
     def submit(self, output: SchedulerOutput) -> None:
-        self._in_flight.append(self._send(run_message(output)))
+        message, failed = run_message(output), {}
+        try:
+            index = self._send(message)
+        except (OverflowError, TypeError, ValueError):
+            # A request's own values: it fails alone (rare, so only now is each checked).
+            message, failed = without_unsendable(message)
+            index = self._send(message) if message.chunks else None
+        self._in_flight.append((index, failed))
 
     def receive(self) -> RunnerOutput:
         """The result of the oldest batch in flight (waits for it)."""
-        index = self._in_flight.popleft()
+        index, failed = self._in_flight.popleft()
+        if index is None:  # every chunk failed to send: the workers never saw it
+            now = time.monotonic()
+            return RunnerOutput(failed=failed, stage_times=[(now, now)] * self.depth)
         result = runner_output(self.channel.get(f"out/{index}", RunResult, self._check))
+        result.failed.update(failed)
         times = [f"times/{index}/{stage}" for stage in range(self.depth)]
         result.stage_times = [self.channel.get(key, tuple[float, float], self._check)
                               for key in times]

@@ -19,6 +19,11 @@ from ..outputs import PromptLogprobs, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..scheduler.output import SchedulerOutput
 
+# Bounds that mean "no limit" (top_k, min_tokens, max_tokens) are capped to this on the
+# wire: msgpack carries no int past 64 bits, and no count of tokens ever reaches it.
+_NO_LIMIT = 2**63 - 1
+_CAPPED = ("top_k", "max_tokens", "min_tokens")
+
 # The engine's signed True under this key asks every rank to stop. Signed like every
 # message: anyone who reaches the store can set a key, and a bare one must stop nothing.
 STOP_KEY = "stop"
@@ -66,7 +71,12 @@ class WireParams(msgspec.Struct, array_like=True):
 
     @classmethod
     def of(cls, p: SamplingParams) -> WireParams:
-        return cls(*(getattr(p, f) for f in cls.__struct_fields__))
+        params = cls(*(getattr(p, f) for f in cls.__struct_fields__))
+        for name in _CAPPED:
+            value = getattr(params, name)
+            if value is not None and value > _NO_LIMIT:
+                setattr(params, name, _NO_LIMIT)
+        return params
 
     def sampling_params(self) -> SamplingParams:
         """Validated again on the rank: a bad value raises there, never runs."""
@@ -150,6 +160,23 @@ def run_message(output: SchedulerOutput) -> RunMessage:
         list(mask.shape), mask.cpu().contiguous().numpy().tobytes(),
         dict(getattr(output, "bitmask_rows", {})))
     return RunMessage(chunks, bitmask)
+
+
+def without_unsendable(message: RunMessage) -> tuple[RunMessage, dict[str, str]]:
+    """`message` less the chunks that cannot be encoded (a value validation let through
+    but msgpack cannot carry, such as an int past 64 bits), and why each failed: their
+    requests fail alone, the rest of the batch runs."""
+    encoder = msgspec.msgpack.Encoder()
+    kept, failed = [], {}
+    for chunk in message.chunks:
+        try:
+            encoder.encode(chunk)
+        except (OverflowError, TypeError, ValueError) as exc:
+            failed[chunk.request_id] = (f"its parameters cannot be sent to the workers "
+                                        f"({type(exc).__name__}: {exc})")
+        else:
+            kept.append(chunk)
+    return RunMessage(kept, message.bitmask), failed
 
 
 def result_message(output: RunnerOutput) -> RunResult:

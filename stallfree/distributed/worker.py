@@ -10,6 +10,7 @@ engine notices a rank that hangs or vanishes without a word.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import threading
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .channel import Channel, ForgedMessage, secret_from_env
+from .channel import Channel, secret_from_env
 from .messages import (
     STOP_KEY,
     KvMessage,
@@ -53,6 +54,8 @@ def main() -> int:
         print("stallfree worker: no secret: set STALLFREE_WORKER_SECRET (or "
               "STALLFREE_WORKER_SECRET_FILE) to the engine's", file=sys.stderr)
         return 2
+    # What the channel logs (a forged key it ignored) goes to stderr, naming this rank.
+    logging.basicConfig(format=f"stallfree worker rank {rank}: %(message)s")
     store = dist.TCPStore(addr, port, is_master=False, timeout=_STORE_TIMEOUT)
     channel = Channel(store, secret)
     _start_heartbeat(addr, port, secret, rank)
@@ -119,24 +122,14 @@ def _serve(channel: Channel, rank: int, world: int, local_rank: int) -> None:
     weight_bytes = sum(model.weight_numels().values()) * dtype.itemsize
     channel.put(f"ready/{rank}", WorkerInfo(rank, os.getpid(), os.uname().nodename,
                                             weight_bytes, free))
-    parent, forged_stop = os.getppid(), False
+    parent = os.getppid()
 
     def check() -> None:
-        nonlocal forged_stop
         if os.getppid() != parent:
             raise SystemExit(0)
-        if not channel.has(STOP_KEY):
-            return
-        try:
-            if channel.read(STOP_KEY, bool):
-                raise SystemExit(0)
-        except ForgedMessage as exc:
-            # Not the engine's: ignore it (the engine's own stop overwrites it), unlike a
-            # forged batch, which this rank cannot run past.
-            if not forged_stop:
-                forged_stop = True
-                print(f"stallfree worker rank {rank}: ignored a stop not from the engine "
-                      f"({exc})", file=sys.stderr, flush=True)
+        # Only the engine's signed stop counts: a forged one is ignored (and logged).
+        if channel.read_genuine(STOP_KEY, bool):
+            raise SystemExit(0)
 
     try:
         _loop(channel, rank, shard, model, model_config, dtype, device, cfg.seed, pipe, check)
@@ -156,7 +149,7 @@ def _loop(channel: Channel, rank: int, shard, model, model_config, dtype: torch.
     runner = None
     index = 0
     while True:
-        # A message that fails its signature raises here: nothing of it runs.
+        # A forged message is skipped here, never decoded: the engine's overwrites it.
         message = channel.get(f"msg/{index}", Message, check)
         if isinstance(message, KvMessage):  # (re)allocate the KV cache
             runner = None  # free the old cache first
