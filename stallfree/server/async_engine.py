@@ -44,6 +44,12 @@ MAX_CONSECUTIVE_FAILURES = 3
 # Worker restarts in a row (no step completing between them) before giving up.
 MAX_WORKER_RESTARTS = 3
 IDLE_CHECK_S = 1.0  # how often an idle engine's workers are looked at
+IDLE_TURN_S = 0.5  # the longest an idle loop waits for a command before turning again
+# The loop turns at least every IDLE_TURN_S when idle and once a step when busy; one
+# that has not turned for this long is stuck (a step that never returns, wedged
+# workers): /health says so, for the supervisor to restart the server. Long enough for
+# the slowest honest step, a worker restart that reloads the weights included.
+STALL_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -91,11 +97,20 @@ class AsyncEngine:
                  metrics: ServerMetrics | None = None,
                  iteration_log: IterationLog | None = None,
                  on_fatal: Callable[[], None] | None = None,
-                 thread: EngineThread | None = None) -> None:
+                 thread: EngineThread | None = None,
+                 stall_timeout: float | None = STALL_TIMEOUT_S) -> None:
         """`thread`: the thread that built `engine`, so that its steps run where its
-        tensors were made (engine_thread.py says why); default, a new one."""
+        tensors were made (engine_thread.py says why); default, a new one.
+        `stall_timeout`: seconds the loop may go without turning before the engine counts
+        as stalled (`stalled_for`); None never."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
+        if stall_timeout is not None and not stall_timeout > 2 * IDLE_TURN_S:
+            # Else an idle loop, waiting for commands between turns, would look stuck.
+            raise ValueError(f"stall_timeout must exceed {2 * IDLE_TURN_S} s (or be None), "
+                             f"got {stall_timeout!r}")
+        self.stall_timeout = stall_timeout
+        self._turned_at = time.monotonic()  # when the loop last turned (engine thread writes)
         self.engine = engine
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
@@ -126,6 +141,14 @@ class AsyncEngine:
     def dead_reason(self) -> str | None:
         death = self._death()
         return None if death is None else f"{type(death).__name__}: {death}"
+
+    @property
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine loop last turned, once past `stall_timeout` (a step,
+        or a worker restart, that does not return); None while it keeps turning."""
+        since = time.monotonic() - self._turned_at
+        timeout = self.stall_timeout
+        return since if timeout is not None and since > timeout else None
 
     def _death(self) -> BaseException | None:
         """Why the engine loop is over; None while it runs. A loop that ended without
@@ -196,6 +219,7 @@ class AsyncEngine:
         next_check = time.monotonic()
         try:
             while True:
+                self._turned_at = time.monotonic()  # a float store: atomic for readers
                 self._drain(block=not engine.has_unfinished_requests())
                 if self._stopping:
                     self._fail_all(EngineDeadError("the server is shutting down"))
@@ -274,7 +298,8 @@ class AsyncEngine:
 
     def _drain(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=IDLE_TURN_S) if block \
+                else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -12,6 +12,10 @@ iteration log is closed and serving goes on. Only when steps keep failing
 every in-flight request and every later submission gets `EngineDeadError`, /health
 answers 503, and `on_fatal` runs (the server then exits non-zero, for its
 supervisor to restart it), so nobody waits forever on a process that cannot serve.
+An engine stuck without failing (a step that never returns, wedged workers) cannot be
+interrupted from outside its thread: once its loop has not turned for `stall_timeout`
+seconds, /health answers 503 `engine_stalled` (200 again if it moves), for the
+supervisor to restart the server.
 """
 from __future__ import annotations
 

@@ -29,6 +29,11 @@ async def health(state: StateDep) -> Any:
     if engine.is_dead:
         return error_response(503, f"the engine has stopped ({engine.dead_reason})",
                               "server_error", code="engine_dead")
+    stalled = engine.stalled_for
+    if stalled is not None:  # up, but serving nobody: as unhealthy as dead
+        return error_response(503, f"the engine has made no progress for {stalled:.0f} s "
+                                   f"(a step or the workers hang)", "server_error",
+                              code="engine_stalled")
     return {"status": "ok"}
 
 
