@@ -98,8 +98,8 @@ async def create_completion(body: CompletionRequest, raw: Request,
             tables[i] = item.prompt_logprobs
         first = index not in offsets
         head = echo[i] if echo and first and echo_first else ""
-        offset = offsets.get(index, len(echo[i]) if echo else 0)
-        offsets[index] = offset + len(head) + len(item.new_text)
+        offset = offsets.get(index, len(echo[i]) if echo else 0)  # where new_text starts
+        offsets[index] = offset + len(item.new_text)
         text = head + item.new_text
         wants_prompt = first and body.prompt_logprobs is not None
         if item.logprobs is None and not head and not wants_prompt:
