@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -84,11 +85,11 @@ class Channel:
         return hmac.new(self._mac_key, key.encode() + b"\0" + sealed, hashlib.sha256).digest()
 
     def _xor(self, nonce: bytes, data: bytes) -> bytes:
-        """`data` XOR SHAKE-256(key, nonce)'s stream: encrypts and decrypts (a keyed XOF
-        as a stream cipher; the standard library has no AES)."""
-        stream = hashlib.shake_256(self._cipher_key + nonce).digest(len(data))
-        return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")
-                ).to_bytes(len(data), "little")
+        """`data` XOR SHAKE-128(key, nonce)'s stream: encrypts and decrypts (a keyed XOF
+        as a stream cipher, 128-bit secure; the standard library has no AES). About
+        1.5 ms a MB, on top of the signature's 1.2."""
+        stream = hashlib.shake_128(self._cipher_key + nonce).digest(len(data))
+        return (np.frombuffer(data, np.uint8) ^ np.frombuffer(stream, np.uint8)).tobytes()
 
     def put(self, key: str, obj: Any) -> None:
         """Writes `obj` under `key`; raises (having written nothing) if it cannot be encoded."""
