@@ -228,3 +228,20 @@ def test_a_batch_carries_what_a_rank_samples_with(store):
     assert decode.token_ids == [10] and decode.request.all_token_ids == []
     assert decode.request.num_output_tokens == 1 and decode.block_table == [1]
     assert batch.token_bitmask.tolist() == [[-1, 5]] and batch.bitmask_rows == {"p": 0}
+
+
+def test_a_replayed_heartbeat_is_no_beat(store):
+    """An old signed heartbeat, copied back by anyone on the port, must not keep a rank
+    that stopped beating looking alive."""
+    from stallfree.distributed.distributed_executor import DistributedExecutor
+
+    executor = DistributedExecutor.__new__(DistributedExecutor)  # no workers needed
+    executor.channel, executor.world_size, executor._heartbeats = \
+        Channel(store, new_secret()), 1, {}
+    executor.channel.put("hb/0", 3)
+    old = store.get("hb/0")
+    executor.channel.put("hb/0", 4)
+    assert executor._silent_rank() is None
+    seen = executor._heartbeats[0]
+    _outsider(store).set("hb/0", old)  # genuine, but older: a replay
+    assert executor._silent_rank() is None and executor._heartbeats[0] == seen

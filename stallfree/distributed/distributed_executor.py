@@ -3,8 +3,9 @@
 The engine process holds no weights. It runs the TCPStore that is both the
 torch.distributed rendezvous and the message board: batch k goes under msg/k,
 every rank reads it, and TP rank 0 of the last stage answers under out/k. Every
-message is typed and signed (channel.py). The store listens on loopback only when
-every rank is local, else on MASTER_ADDR's interface alone. With PP = M, up to M
+message is typed, encrypted and signed, and a forged one is ignored (channel.py).
+The store listens on loopback only when every rank is local, else on MASTER_ADDR's
+interface alone. With PP = M, up to M
 batches are in flight: stage 0 starts batch k+1 while stage 1 still computes batch
 k. A rank whose heartbeat stops for HEARTBEAT_DEADLINE_S fails the engine
 (`WorkerError`) instead of leaving it waiting. A chunk whose values cannot be sent
@@ -178,7 +179,8 @@ class DistributedExecutor:
             if count is None:
                 continue
             last = self._heartbeats.get(rank)
-            if last is None or last[0] != count:
+            # Only a higher count is a beat: an old signed one, replayed, is not.
+            if last is None or count > last[0]:
                 self._heartbeats[rank] = (count, now)
             elif now - last[1] > HEARTBEAT_DEADLINE_S:
                 return (f"worker rank {rank} sent no heartbeat for {now - last[1]:.0f} s "
