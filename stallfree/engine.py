@@ -203,22 +203,20 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
-        # A bad constraint raises here; its compile starts now, off this thread.
+        # A bad or oversized constraint raises here; it compiles only once accepted.
         spec = params.structured_outputs
-        compiled = None if spec is None else self.grammars.submit(spec)
+        if spec is not None:
+            self.grammars.check(spec)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                              params, arrival, self.tokenizer, self.eos_token_ids)
-        if compiled is not None:
-            for child in group.children:
-                self._matchers.add(child, compiled)  # unready until compiled
-        try:
-            # All n sequences or none; with prefix caching they share one prefill of the prompt.
-            self.scheduler.add_group(group.children)
-        except ValueError:
-            for child in group.children:
-                self._matchers.remove(child.request_id)
-            raise
+        for child in group.children:
+            child.ready = spec is None  # a constrained child waits (unready) for its grammar
+        # All n sequences or none; with prefix caching they share one prefill of the prompt.
+        self.scheduler.add_group(group.children)
+        if spec is not None:
+            for child in group.children:  # off this thread; cancelled if the child leaves first
+                self._matchers.add(child, self.grammars.submit(spec))
         for i, child in enumerate(group.children):
             self._child_to_group[child.request_id] = (request_id, i)
         self._groups[request_id] = group

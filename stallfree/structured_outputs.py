@@ -6,6 +6,7 @@ regex or grammar is actually valid is decided when it is turned into a grammar
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,27 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Nesting of a schema's JSON: real schemas stay far below; the grammar's construction
 # grows steeply with depth (seconds at a few hundred levels).
 MAX_SCHEMA_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """Bounds on compiling constraints, named as the server's flags (`--max-constraint-bytes`
+    ...), which each refusal names. The defaults are generous multiples of OpenAI's own
+    schema limits (~15K characters of enum values): a 150K-value enum is refused at once."""
+
+    max_constraint_bytes: int = 256 << 10  # the constraint's text, checked before compiling
+    max_grammar_compile_seconds: int = 10  # a compile running longer is killed
+    max_grammar_bytes: int = 64 << 20  # one compiled grammar (a 10K-value enum: ~35 MB)
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept for reuse, in all
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')}"
 
 
 class ConstraintError(ValueError):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import option, parse_size
+from ..structured_outputs import CompileLimits
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -55,6 +56,8 @@ def _api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV)
 
 
+_COMPILE = CompileLimits()
+
 # The request schema's own caps (server/protocol.py): a limit may lower them, not raise them.
 SCHEMA_MAX_STOP = 16
 SCHEMA_MAX_LOGPROBS = 20
@@ -72,6 +75,11 @@ class RequestLimits:
     max_stop_length: int = 256  # characters of one stop string (searched every token)
     max_stop_token_ids: int = 64
     max_logprobs: int = SCHEMA_MAX_LOGPROBS
+    # Structured outputs (stallfree.structured_outputs.CompileLimits, same names).
+    max_constraint_bytes: int = _COMPILE.max_constraint_bytes
+    max_grammar_compile_seconds: int = _COMPILE.max_grammar_compile_seconds
+    max_grammar_bytes: int = _COMPILE.max_grammar_bytes
+    grammar_cache_bytes: int = _COMPILE.grammar_cache_bytes
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -121,6 +129,20 @@ class ServerConfig:
                                      parse=parse_positive_int)
     max_logprobs: int = option(_LIMITS.max_logprobs,
                                f"top logprobs per token (at most {SCHEMA_MAX_LOGPROBS})", parse=int)
+    max_constraint_bytes: int = option(
+        _LIMITS.max_constraint_bytes, "bytes of one request's constraint (JSON schema, regex, "
+                                      "choices, grammar), refused before compiling",
+        parse=parse_size)
+    max_grammar_compile_seconds: int = option(
+        _LIMITS.max_grammar_compile_seconds, "seconds one grammar may compile; a longer "
+                                             "compile is killed and its request refused",
+        parse=parse_positive_int)
+    max_grammar_bytes: int = option(_LIMITS.max_grammar_bytes,
+                                    "memory of one compiled grammar (larger: refused)",
+                                    parse=parse_size)
+    grammar_cache_bytes: int = option(
+        _LIMITS.grammar_cache_bytes, "memory of the compiled grammars kept for reuse "
+                                     "(least recently used dropped)", parse=parse_size)
     tokenizer_threads: int = option(
         2, "threads that tokenize, apply chat templates and decode logprobs off the event "
            "loop (each with its own tokenizer)", parse=parse_positive_int)

@@ -6,6 +6,8 @@ prometheus-client is thread-safe.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -15,8 +17,12 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..outputs import EngineInfo, EngineStats, IterationRecord, RequestOutput
+
+if TYPE_CHECKING:
+    from ..structured import GrammarCompileService
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -94,6 +100,10 @@ class ServerMetrics:
                                  "why auto chose it), compute threads, huge pages.",
                                  registry=registry)
 
+    def watch_grammars(self, grammars: GrammarCompileService) -> None:
+        """Reports the compile service's cache and compiles at every scrape."""
+        self.registry.register(_GrammarCollector(grammars, self.model_name))
+
     def observe_stats(self, stats: EngineStats) -> None:
         """The engine's load gauges, and what its cumulative prefix-cache counts added."""
         self.running.set(stats.num_running)
@@ -144,3 +154,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GrammarCollector:
+    """The grammar cache's size and the compiles by outcome, read when scraped."""
+
+    def __init__(self, grammars: GrammarCompileService, model_name: str) -> None:
+        self.grammars = grammars
+        self.model_name = model_name
+
+    def describe(self) -> list:
+        return []  # not known before a scrape: registered without a describe-time check
+
+    def collect(self) -> list:
+        stats = self.grammars.stats()
+        model = [self.model_name]
+        gauges = [("grammar_cache_bytes", "Memory of the compiled grammars cached, in bytes.",
+                   stats.bytes),
+                  ("grammar_cache_entries", "Compiled grammars and compile refusals cached.",
+                   stats.entries),
+                  ("grammar_compiles_running", "Grammar compiles queued or running.",
+                   stats.compiling)]
+        families: list = []
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(f"stallfree:{name}", doc, labels=["model_name"])
+            family.add_metric(model, value)
+            families.append(family)
+        compiles = CounterMetricFamily(
+            "stallfree:grammar_compiles", "Grammar compiles ended, by outcome (compiled, "
+            "refused at a bound, cancelled as their requests left, failed).",
+            labels=["model_name", "outcome"])
+        for outcome, count in stats.compiles.items():
+            compiles.add_metric(model + [outcome], count)
+        return families + [compiles]

@@ -6,6 +6,7 @@ routers are plain module-level objects and one process can hold several apps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, TypeVar
@@ -15,6 +16,7 @@ from fastapi import Depends, Request
 from ..model.tokenizer import chat_prompt_ids
 from ..sampling_params import SamplingParams
 from ..structured import build_grammar
+from ..structured_outputs import CompileLimits
 from .async_engine import AsyncEngine
 from .config import RequestLimits
 from .engine_call import Generation
@@ -43,6 +45,11 @@ class ServerState:
         self.root = root
         self.limits = limits or RequestLimits()
         self.tokenizers = TokenizerPool(engine.engine.tokenizer, tokenizer_threads)
+        grammars = getattr(engine.engine, "grammars", None)  # a test's fake engine has none
+        if grammars is not None:  # this server's compile bounds (flags), and their metrics
+            grammars.limits = CompileLimits(**{f.name: getattr(self.limits, f.name)
+                                               for f in dataclasses.fields(CompileLimits)})
+            engine.metrics.watch_grammars(grammars)
         self.created = int(time.time())
 
     @property
@@ -85,9 +92,8 @@ class ServerState:
 
     async def prepare_constraint(self, params: SamplingParams,
                                  tools: ToolUse | None = None) -> None:
-        """Checks the request's constraint and its tools' parameter schemas, and starts
-        compiling the constraint (off the event loop): a 400 naming the field if one is
-        invalid, before the request is queued."""
+        """Checks the request's constraint and its tools' parameter schemas (off the event
+        loop): a 400 naming the field if one is invalid, before the request is queued."""
         if params.structured_outputs is None and tools is None:
             return
 
@@ -95,7 +101,8 @@ class ServerState:
             for schema in [] if tools is None else tools.parameter_schemas():
                 build_grammar(schema)
             if params.structured_outputs is not None:
-                self.llm_engine.grammars.submit(params.structured_outputs)
+                # Checked only: the compile starts once the engine accepts the request.
+                self.llm_engine.grammars.check(params.structured_outputs)
         try:
             await asyncio.to_thread(check)
         except ValueError as exc:
@@ -136,7 +143,25 @@ class ServerState:
             raise APIError(503, str(exc), "server_error", code="queue_full") from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
+        spec = getattr(params, "structured_outputs", None)
+        if spec is not None:
+            await self._compiled(gen, spec)
         return gen
+
+    async def _compiled(self, gen: Generation, spec: Any) -> None:
+        """Waits for the accepted request's grammar: a 400 naming the field if a compile
+        bound stopped it (nothing was streamed yet). Holding nothing, the wait does not
+        keep a compile going that the engine gave up."""
+        outcome = self.llm_engine.grammars.watch(spec)
+        if outcome is None:
+            return
+        try:
+            await asyncio.wrap_future(outcome)
+        except ValueError as exc:
+            gen.abort()
+            raise bad_value(exc) from exc
+        except Exception:  # noqa: BLE001 - e.g. a compile process died: the engine ends it
+            pass
 
 
 def get_state(request: Request) -> ServerState:

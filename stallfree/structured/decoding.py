@@ -49,8 +49,10 @@ class GrammarMatchers:
         request.ready = False
 
     def remove(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        state = self._states.pop(request_id, None)
         self._compiling.pop(request_id, None)
+        if state is not None:
+            state.compiled.cancel()  # gives its compile up (stopped if no one else waits)
 
     def poll(self) -> list[str]:
         """Makes the requests whose grammar has compiled ready; returns the ids of those
@@ -63,7 +65,8 @@ class GrammarMatchers:
             try:
                 compiled = state.compiled.result()
             except Exception as exc:  # noqa: BLE001 - reported, the request ends alone
-                logger.error("grammar of request %s failed to compile: %s", rid, exc)
+                log = logger.warning if isinstance(exc, ValueError) else logger.error
+                log("grammar of request %s failed to compile: %s", rid, exc)
                 failed.append(rid)
                 continue
             stops = set(state.request.eos_token_ids)
