@@ -11,7 +11,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens, best first
-    rank: int | None = None  # token_id's place in the distribution: 1 is the most likely
+    # token_id's place in the distribution (1: the most likely) when it is among `top`.
+    rank: int | None = None
 
 
 @dataclass

@@ -96,10 +96,16 @@ def test_vllm_prompt_logprobs_field(server, client):
                                       extra_body={"prompt_logprobs": 1})
     field = done.choices[0].model_extra["prompt_logprobs"]
     assert field[0] is None and len(field) == len(ids)
+    ranked = 0
     for token_id, position in zip(ids[1:], field[1:]):
         entry = position[str(token_id)]
-        assert entry["logprob"] <= 0 and entry["rank"] >= 1
-        assert len(position) == (1 if entry["rank"] == 1 else 2)  # itself, then the best
+        assert entry["logprob"] <= 0 and entry["rank"] in (1, None)
+        # Itself, then the best; one entry when it is the best (rank 1).
+        assert len(position) == (1 if entry["rank"] == 1 else 2)
+        best = max(v["logprob"] for v in position.values())
+        assert (entry["logprob"] == best) == (entry["rank"] == 1)
+        ranked += entry["rank"] == 1
+    assert 0 < ranked < len(ids) - 1  # the prompt has tokens the model expects, and others
 
 
 def test_tokenizer_info(server):

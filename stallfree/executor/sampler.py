@@ -198,15 +198,16 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int],
 
 
 def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
-    """Row i's log-probability of tokens[i], its rank, and the row's `top` most likely
-    tokens, best first."""
+    """Row i's log-probability of tokens[i] and the row's `top` most likely tokens, best
+    first; the token's rank where it is among them. A rank beyond the top would take a
+    comparison over the vocabulary, which costs more than the log-softmax itself."""
     logprobs = logits.float().log_softmax(dim=-1)
-    top_vals, top_ids = logprobs.topk(max(top, 1), dim=-1)
     chosen = logprobs[torch.arange(len(tokens), device=logits.device),
-                      torch.tensor(tokens, device=logits.device)]
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
-    # To the host in four copies, not four per row (each a wait on a GPU).
+                      torch.tensor(tokens, device=logits.device)].tolist()
+    if top == 0:
+        return [TokenLogprobs(t, c, []) for t, c in zip(tokens, chosen)]
+    top_vals, top_ids = logprobs.topk(top, dim=-1)
+    # To the host in one copy each, not one per row (each a wait on a GPU).
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    chosen, ranks = chosen.tolist(), ranks.tolist()
-    return [TokenLogprobs(t, c, list(zip(ids[:top], vals[:top])), rank)
-            for t, c, ids, vals, rank in zip(tokens, chosen, top_ids, top_vals, ranks)]
+    return [TokenLogprobs(t, c, list(zip(ids, vals)), ids.index(t) + 1 if t in ids else None)
+            for t, c, ids, vals in zip(tokens, chosen, top_ids, top_vals)]
