@@ -20,9 +20,10 @@ def _req(params: SamplingParams, outputs: list[int] | None = None, prompt=(1, 2,
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 0.0), ("top_p", 2), ("top_k", -5), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", -3), ("n", 0), ("seed", "x"), ("stop", [""]),
+    ("max_tokens", 1.5), ("max_tokens", -3), ("n", 0), ("seed", "x"), ("stop", [""]),
     ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -2.5),
     ("stop_token_ids", [-1]), ("min_tokens", -1), ("temperature", float("nan")),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21),
 ])
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
