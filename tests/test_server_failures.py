@@ -160,6 +160,46 @@ def test_full_waiting_queue_counts_sequences(serve):
     asyncio.run(scenario())
 
 
+def test_a_call_of_several_prompts_is_admitted_whole_or_not_at_all(serve):
+    engine = FakeEngine()
+    added: list[str] = []
+    plain_add = engine.add_request
+
+    def add_request(request_id, prompt, params, arrival_time=None):
+        plain_add(request_id, prompt, params, arrival_time)
+        added.append(request_id)
+    engine.add_request = add_request
+    server = serve(engine, max_waiting_requests=4)
+    engine.gate.clear()
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            def post(prompt):
+                return c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            calls = [post(["a", "b", "c"]) for _ in range(4)] + [post("d") for _ in range(8)]
+            tasks = [asyncio.create_task(call) for call in calls]
+            deadline = time.monotonic() + 10
+            while len(added) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            engine.gate.set()
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(scenario())
+    calls: dict[str, int] = {}
+    for rid in added:
+        call = rid.rsplit("-", 1)[0] if rid.count("-") > 1 else rid
+        calls[call] = calls.get(call, 0) + 1
+    # Each call's prompts joined the engine together (a 3-prompt call is 3 or nothing).
+    assert sorted(set(calls.values())) in ([1], [3], [1, 3])
+    for r, prompts in zip(responses, [3] * 4 + [1] * 8):
+        assert r.status_code in (200, 503)
+        if r.status_code == 200:
+            assert len(r.json()["choices"]) == prompts
+    ok = sum(r.status_code == 200 for r in responses[:4]) * 3 + \
+        sum(r.status_code == 200 for r in responses[4:])
+    assert ok == len(added)  # nothing admitted was withdrawn, nothing refused was run
+
+
 def test_full_waiting_queue_answers_503_at_once(serve):
     engine = FakeEngine()
     server = serve(engine, max_waiting_requests=2)

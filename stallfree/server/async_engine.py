@@ -76,6 +76,19 @@ def _reply(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = N
         pass
 
 
+@dataclass
+class _Add:
+    """One API call's requests (one per prompt), for the engine thread to add all together
+    or none: the queue limit weighs the call once, so no call is ever half admitted."""
+
+    requests: list[tuple[str, Prompt]]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    fut: asyncio.Future
+    arrival: float
+
+
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
@@ -166,22 +179,16 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine has stopped ({self.dead_reason})")
             self._commands.put(command)
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          out: asyncio.Queue, arrival_time: float | None = None,
-                          call: tuple[int, int] | None = None) -> None:
-        """Submits a request whose StepOutputs, then final RequestOutput, go to `out`.
-
-        `call`: for one prompt of a call of several, the sequences the call submitted
-        before it and those still to submit, this one's included (the queue limit
-        weighs the whole call at its first prompt). Raises ValueError (bad request),
-        QueueFullError or EngineDeadError. Errors after acceptance arrive in `out` as
-        exception objects.
-        """
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt]], params: SamplingParams,
+                           out: asyncio.Queue, arrival_time: float | None = None) -> None:
+        """Submits one call's requests, (request id, prompt) each, all or none; their
+        StepOutputs, then final RequestOutputs, go to `out`. Raises ValueError (a bad
+        request), QueueFullError or EngineDeadError. Errors after acceptance arrive in
+        `out` as exception objects."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        call = call or (0, params.n)
-        self._put(("add", request_id, prompt, params, loop, out, fut, arrival, call))
+        self._put(("add", _Add(list(requests), params, loop, out, fut, arrival)))
         await fut
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -309,32 +316,40 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _add_call(self, add: _Add) -> None:
+        if add.fut.cancelled():
+            return
+        engine = self.engine
+        limit = self.max_waiting_requests
+        waiting = engine.stats().num_waiting
+        asked = add.params.n * len(add.requests)
+        # Sequences, not requests: n and every prompt of the call count. An empty queue
+        # takes any call (--max-sequences bounds it), so that none is refused forever.
+        if limit is not None and waiting and waiting + asked > limit:
+            _reply(add.loop, add.fut, error=QueueFullError(
+                f"the server is busy: {waiting} sequences are waiting and this asks for "
+                f"{asked} more (--max-waiting-requests {limit}); retry later"))
+            return
+        added: list[tuple[str, int]] = []
+        try:
+            for rid, prompt in add.requests:
+                ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
+                engine.add_request(rid, ids, add.params, arrival_time=add.arrival)
+                added.append((rid, len(ids)))
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone, all of it
+            for rid, _ in added:
+                engine.abort_request(rid)
+            _reply(add.loop, add.fut, error=exc)
+            return
+        for rid, prompt_len in added:
+            self._tracked[rid] = _Tracked(add.loop, add.out, prompt_len)
+        _reply(add.loop, add.fut)
+
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         engine = self.engine
         if kind == "add":
-            _, rid, prompt, params, loop, out, fut, arrival, (before, remaining) = command
-            if fut.cancelled():
-                return
-            limit = self.max_waiting_requests
-            waiting = engine.stats().num_waiting
-            # Sequences, not requests: n and every prompt of the call count. A queue
-            # holding none but the call's own takes any call (--max-sequences bounds it),
-            # so that none is refused forever.
-            if limit is not None and waiting > before and waiting + remaining > limit:
-                _reply(loop, fut, error=QueueFullError(
-                    f"the server is busy: {waiting} sequences are waiting and this asks for "
-                    f"{remaining} more (--max-waiting-requests {limit}); retry later"))
-                return
-            try:
-                if isinstance(prompt, str):
-                    prompt = engine.tokenize(prompt)
-                engine.add_request(rid, prompt, params, arrival_time=arrival)
-            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                _reply(loop, fut, error=exc)
-                return
-            self._tracked[rid] = _Tracked(loop, out, len(prompt))
-            _reply(loop, fut)
+            self._add_call(command[1])
         elif kind == "abort":
             rid = command[1]
             if self._tracked.pop(rid, None) is not None:
@@ -408,7 +423,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if command[0] == "add":
-                _reply(command[4], command[6], error=error)
+                _reply(command[1].loop, command[1].fut, error=error)
             elif command[0] == "call":
                 _reply(command[2], command[3], error=error)
         try:

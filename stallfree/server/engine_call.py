@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 class Generation:
     """One API call's engine requests (one per prompt, each with n sequences).
 
-    `start()` submits them all (undoing the ones already submitted if one is
-    refused); `events()` yields (prompt_index, StepOutput | RequestOutput) in
-    the order the engine produced them. Leaving `events()` early (client gone,
+    `start()` submits them all or none (the engine thread adds them together);
+    `events()` yields (prompt_index, StepOutput | RequestOutput) in the order the
+    engine produced them. Leaving `events()` early (client gone,
     task cancelled) aborts whatever is unfinished.
     """
 
@@ -36,12 +36,11 @@ class Generation:
         self._submitted: list[str] = []
 
     async def start(self) -> None:
-        n, total = self.params.n, self.params.n * len(self.prompts)
+        # All at once, so that a cancellation mid-add aborts whatever the engine took.
+        self._submitted = list(self.request_ids)
         try:
-            for i, (rid, prompt) in enumerate(zip(self.request_ids, self.prompts)):
-                self._submitted.append(rid)  # abort it too if we are cancelled mid-add
-                await self.engine.add_request(rid, prompt, self.params, self.queue,
-                                              self.arrival_time, (i * n, total - i * n))
+            await self.engine.add_requests(list(zip(self.request_ids, self.prompts)),
+                                           self.params, self.queue, self.arrival_time)
         except BaseException:
             self.abort()
             raise
