@@ -58,13 +58,15 @@ class ModelConfig:
 
     @property
     def logits_row_cost(self) -> float:
-        """What a token costs with its logits row (a matmul with the vocabulary) relative
-        to one without, by multiply-adds: the layers' projections and MLP against the
-        LM head. Prices prompt logprobs in the scheduler's token budget."""
+        """What a token costs with its logits row and their log-softmax relative to one
+        without, by multiply-adds: the layers' projections and MLP against the LM head,
+        taken at 1.5x for the log-softmax over its output, which measured about half the
+        matmul again on CPU (docs/benchmarks.md, "Prompt logprobs"). Prices prompt
+        logprobs in the scheduler's token budget."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         per_layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size
-        return 1.0 + self.vocab_size * h / (self.num_hidden_layers * per_layer)
+        return 1.0 + 1.5 * self.vocab_size * h / (self.num_hidden_layers * per_layer)
 
     @property
     def context_limit(self) -> int:
