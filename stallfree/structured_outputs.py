@@ -117,6 +117,8 @@ def _schema(value: object, field: str) -> dict[str, Any] | bool:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ConstraintError(field, f"is not valid JSON: {exc}") from None
+        except RecursionError:  # Python's parser recurses once per level
+            raise ConstraintError(field, f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     if not isinstance(value, (dict, bool)):
         raise ConstraintError(field, f"must be a JSON schema (an object), got "
                                      f"{type(value).__name__}")

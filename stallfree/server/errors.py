@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -49,7 +50,16 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return _AsciiJSON(body, status_code=status, headers=headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote what the client sent,
+    and a lone surrogate in it has no UTF-8 form (the plain response would fail to encode
+    and drop the connection), while its \\u escape is valid JSON."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_value(err: ValueError, default_param: str | None = None) -> APIError:
@@ -97,8 +107,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     for param, errs in list(by_param.items())[:5]:
         leaf = (param or "").split(".")[-1]
-        if len(errs) > 1 and leaf in _UNION_HINTS:
+        # A value error (a lone surrogate in a string, say) says more than the union's shape.
+        reasons = [e.get("msg") for e in errs if e.get("type") == "value_error"]
+        if len(errs) > 1 and leaf in _UNION_HINTS and not reasons:
             parts.append(f"{param}: {_UNION_HINTS[leaf]}")
+        elif reasons:
+            parts.append(f"{param}: {reasons[0]}")
         else:
             parts.append(f"{param}: {errs[0].get('msg')}" if param else str(errs[0].get("msg")))
     if len(by_param) > 5:

@@ -12,10 +12,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from ..sampling_params import SamplingParams
 from ..structured_outputs import ConstraintError, StructuredOutputs
+from .fields import Text
 from .structured_protocol import ConstraintFields, Tool, ToolCall, ToolChoice
 from .tools import ToolUse
 
@@ -24,7 +25,11 @@ from .tools import ToolUse
 MAX_N = 128
 MAX_STOP = 16
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
+# Integer fields the engine and its workers carry in 64 bits: beyond is refused here, with
+# the field's name, rather than failing (or overflowing) once the request is running.
+INT64_MAX = 2**63 - 1
+TokenCount = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -63,23 +68,23 @@ class StreamOptions(OpenAIModel):
 class _SamplingFields(OpenAIModel, ConstraintFields):
     """Sampling fields shared by completions and chat completions (constraints included)."""
 
-    model: StrictStr | None = None
+    model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     temperature: Annotated[StrictFloat, Field(ge=0)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions.
     top_k: Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[StrictFloat, Field(gt=0)] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    min_tokens: TokenCount = 0
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
@@ -121,17 +126,17 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
 
 # ---- /v1/completions ---------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     # 0 with echo (or prompt_logprobs) scores the prompt and generates nothing.
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
+    max_tokens: TokenCount | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives, in the choice's
     # own prompt_logprobs field (echo + logprobs gives them in OpenAI's legacy format).
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: a string, a list of strings, of ids or of id lists."""
@@ -195,15 +200,15 @@ class CompletionResponse(BaseModel):
 # ---- /v1/chat/completions ----------------------------------------------------
 class TextContentPart(OpenAIModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextContentPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
-    tool_call_id: StrictStr | None = None  # a tool turn: the call it answers
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -240,8 +245,8 @@ def _json_or_text(text: str) -> Any:
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
@@ -309,8 +314,8 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(OpenAIModel):
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
@@ -324,7 +329,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: StrictStr | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

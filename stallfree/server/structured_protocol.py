@@ -7,11 +7,14 @@ when it is compiled (`ServerState.prepare_constraint`), still before anything is
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..structured_outputs import ConstraintError, StructuredOutputs
+from .fields import Text
+from .tool_parser import load_json
 
 Schema = dict[str, Any] | StrictBool
 
@@ -22,8 +25,8 @@ class _Model(BaseModel):
 
 
 class JSONSchemaFormat(_Model):
-    name: StrictStr = "response"
-    description: StrictStr | None = None
+    name: Text = "response"
+    description: Text | None = None
     # "schema" and "json" would shadow BaseModel attributes: aliases keep the wire names.
     schema_: Schema | None = Field(None, alias="schema")
     strict: StrictBool | None = None
@@ -37,10 +40,10 @@ class ResponseFormat(_Model):
 class StructuredOutputsParams(_Model):
     """vLLM's `structured_outputs`: exactly one of its fields."""
 
-    json_: Schema | StrictStr | None = Field(None, alias="json")
-    regex: StrictStr | None = None
-    choice: list[StrictStr] | None = None
-    grammar: StrictStr | None = None
+    json_: Schema | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     json_object: StrictBool | None = None
 
 
@@ -49,10 +52,10 @@ class ConstraintFields(_Model):
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    guided_json: Schema | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
+    guided_json: Schema | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def constraint(self) -> StructuredOutputs | None:
         """The one constraint the request sets (None: free text); ConstraintError if it
@@ -87,12 +90,12 @@ class ConstraintFields(_Model):
 
 
 # ---- tools (chat) --------------------------------------------------------------
-ToolName = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[\w.-]+$")]
+ToolName = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[\w.-]+$")]
 
 
 class FunctionDefinition(_Model):
     name: ToolName
-    description: StrictStr | None = None
+    description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
     strict: StrictBool | None = None
 
@@ -103,7 +106,7 @@ class Tool(_Model):
 
 
 class FunctionName(_Model):
-    name: StrictStr
+    name: Text
 
 
 class NamedToolChoice(_Model):
@@ -115,13 +118,23 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ToolCallFunction(_Model):
-    name: StrictStr
-    arguments: StrictStr  # JSON text, as OpenAI sends it
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded(cls, arguments: str) -> str:
+        """The chat template gets the arguments as data: bound how deeply they nest."""
+        try:
+            load_json(arguments)
+        except json.JSONDecodeError:
+            pass  # not JSON: passed on as text
+        return arguments
 
 
 class ToolCall(_Model):
     """A call in an earlier assistant turn, as the client sends it back."""
 
-    id: StrictStr
+    id: Text
     type: Literal["function"] = "function"
     function: ToolCallFunction

@@ -7,6 +7,38 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 START, END = "<tool_call>", "</tool_call>"
+# Tool arguments nested deeper than this are refused (from a client) or left as text (from
+# the model): Python's parser and the chat template's `tojson` recurse once per level, and
+# about a thousand levels exhaust the interpreter's stack.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value: object) -> int:
+    """How deeply lists and objects nest in parsed JSON (a scalar is 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item \
+            if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_json(text: str) -> object:
+    """`json.loads(text)`, refusing nesting beyond MAX_JSON_DEPTH with a ValueError (a
+    JSONDecodeError where the text is not JSON at all)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+        depth = MAX_JSON_DEPTH + 1
+    else:
+        depth = json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 @dataclass
@@ -19,8 +51,8 @@ def parse_calls(payload: str, known: Collection[str]) -> list[ParsedCall] | None
     """The calls in one payload: a JSON object or a list of them, each {"name", "arguments"}
     ("parameters" is read too). None unless it is all well-formed calls of known tools."""
     try:
-        data = json.loads(payload)
-    except json.JSONDecodeError:
+        data = load_json(payload)
+    except ValueError:  # not JSON, or nested too deeply to be a call: the text stays text
         return None
     calls = []
     for item in data if isinstance(data, list) else [data]:
@@ -29,8 +61,8 @@ def parse_calls(payload: str, known: Collection[str]) -> list[ParsedCall] | None
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):  # already JSON text: it must parse
             try:
-                json.loads(arguments)
-            except json.JSONDecodeError:
+                load_json(arguments)
+            except ValueError:
                 return None
         elif isinstance(arguments, dict):
             arguments = json.dumps(arguments, ensure_ascii=False)
