@@ -206,3 +206,32 @@ def test_a_compile_past_its_bound_gets_a_400_naming_the_flag(server):
     assert fine.status_code == 200 and fine.json()["choices"][0]["text"].isdigit()
     assert _grammar_metrics(fine.url.scheme + "://" + fine.url.netloc.decode())[
         "grammar_cache_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def patient_server(tiny_model):
+    """A server that would let the 150K-value enum compile for a minute."""
+    proc = ServerProcess("--model", tiny_model, "--served-model-name", "tiny", "--dtype",
+                         "float32", "--max-model-len", "64", "--max-constraint-bytes", "8MiB",
+                         "--max-grammar-compile-seconds", "60")
+    yield proc
+    proc.stop()
+
+
+def _compiles(url: str, outcome: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("stallfree:grammar_compiles_total")
+               and f'outcome="{outcome}"' in line)
+
+
+def test_a_client_leaving_during_its_compile_stops_it(patient_server):
+    url = patient_server.url
+    with pytest.raises(httpx.TimeoutException):  # the client gives up while it compiles
+        httpx.post(url + "/v1/completions", timeout=3, json={
+            "model": "tiny", "prompt": "pick", "max_tokens": 4,
+            "structured_outputs": {"json": HUGE_ENUM}})
+    ended = ("cancelled", "refused", "failed", "compiled")
+    _until(lambda: sum(_compiles(url, o) for o in ended) == 1, "the compile to end")
+    # Stopped as its client left, not by its time bound (a refusal) nor compiled.
+    assert _compiles(url, "cancelled") == 1

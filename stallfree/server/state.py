@@ -23,6 +23,7 @@ from .engine_call import Generation
 from .engine_errors import EngineDeadError, QueueFullError
 from .errors import APIError, bad_value
 from .limits import check_request_limits
+from .streaming import ClientGone, unless_disconnected
 from .tokenizers import TokenizerPool
 from .tools import ToolUse
 
@@ -131,8 +132,9 @@ class ServerState:
         return await self.offload(lambda tok: tok.decode(ids, skip_special_tokens=False))
 
     async def start(self, request_id: str, prompts: Sequence[str | list[int]], params: Any,
-                    arrival: float) -> Generation:
-        """Submits one engine request per prompt; refusals become OpenAI errors."""
+                    arrival: float, raw: Request | None = None) -> Generation:
+        """Submits one engine request per prompt; refusals become OpenAI errors. `raw`: the
+        HTTP request, whose client leaving during a grammar's compile aborts the call."""
         self.check_alive()
         gen = self.engine.generate(request_id, prompts, params, arrival)
         try:
@@ -145,18 +147,23 @@ class ServerState:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         spec = getattr(params, "structured_outputs", None)
         if spec is not None:
-            await self._compiled(gen, spec)
+            await self._compiled(gen, spec, raw)
         return gen
 
-    async def _compiled(self, gen: Generation, spec: Any) -> None:
+    async def _compiled(self, gen: Generation, spec: Any, raw: Request | None) -> None:
         """Waits for the accepted request's grammar: a 400 naming the field if a compile
         bound stopped it (nothing was streamed yet). Holding nothing, the wait does not
-        keep a compile going that the engine gave up."""
+        keep a compile going that the engine gave up; a client that leaves meanwhile has
+        its requests aborted, which stops a compile no one else waits for."""
         outcome = self.llm_engine.grammars.watch(spec)
         if outcome is None:
             return
+        wait = asyncio.wrap_future(outcome)
         try:
-            await asyncio.wrap_future(outcome)
+            await (wait if raw is None else unless_disconnected(raw, wait))
+        except ClientGone:
+            gen.abort()
+            raise APIError(499, "the client closed the request", code="client_gone") from None
         except ValueError as exc:
             gen.abort()
             raise bad_value(exc) from exc

@@ -38,8 +38,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     await state.prepare_constraint(params, tools)
     ids = await state.apply_chat_template(body.conversation(), True,
                                           None if tools is None else tools.template_tools())
-    call = await start_call(state, "chatcmpl", "chat.completion.chunk", model, [ids], params,
-                            arrival)
+    call = await start_call(state, raw, "chatcmpl", "chat.completion.chunk", model, [ids],
+                            params, arrival)
     # Each choice's text becomes content and/or tool calls (tools.py).
     replies = [TextReply() if tools is None else tools.reply() for _ in range(params.n)]
 

@@ -82,7 +82,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
 
     # Off the event loop: a long prompt takes a while to tokenize.
     ids, echo = await state.offload(tokenize_and_echo)
-    call = await start_call(state, "cmpl", "text_completion", model, ids, params, arrival)
+    call = await start_call(state, raw, "cmpl", "text_completion", model, ids, params, arrival)
     builders = [_Choices(body, ids[i], echo[i] if echo else None) for i in range(len(ids))]
     # Choice i * n + j is sequence j of prompt i, as OpenAI numbers them.
     n = params.n

@@ -37,13 +37,13 @@ class Call:
         return {**self.head(), "choices": [choice], "usage": None}
 
 
-async def start_call(state: ServerState, id_prefix: str, chunk_object: str, model: str,
-                     prompts: Sequence[str | list[int]], params: SamplingParams,
+async def start_call(state: ServerState, raw: Request, id_prefix: str, chunk_object: str,
+                     model: str, prompts: Sequence[str | list[int]], params: SamplingParams,
                      arrival: float) -> Call:
     """Submits the call's prompts to the engine (an OpenAI error if it refuses)."""
     call_id = random_id(id_prefix)
     created = int(time.time())
-    gen = await state.start(call_id, prompts, params, arrival)
+    gen = await state.start(call_id, prompts, params, arrival, raw)
     return Call(call_id, chunk_object, created, model, gen)
 
 
