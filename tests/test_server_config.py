@@ -31,7 +31,8 @@ def test_defaults_and_served_names(monkeypatch):
     ("iteration_log", 3), ("uvicorn_log_level", "loud"), ("api_key", 42),
     ("max_body_bytes", 0), ("max_prompts", -1), ("max_sequences", 1.5),
     ("max_stop_strings", 17), ("max_stop_length", 0), ("max_stop_token_ids", True),
-    ("max_logprobs", 21), ("max_logprobs", -1), ("tokenizer_threads", 0)])
+    ("max_logprobs", 21), ("max_logprobs", -1), ("tokenizer_threads", 0),
+    ("body_timeout", 0), ("max_connections", 0), ("header_timeout", True)])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
@@ -64,3 +65,15 @@ def test_chat_prompt_ids_unwraps_and_validates():
     for bad in ([], [{"role": "user"}], ["hi"]):
         with pytest.raises(ValueError, match="messages"):
             chat_prompt_ids(_Tokenizer(), bad)
+
+
+def test_connection_cap_fits_the_open_file_limit():
+    from stallfree.server.config import ConnectionLimits
+    from stallfree.server.connections import FD_RESERVE, accept_backlog, fitted_limits
+
+    limits = ServerConfig(max_connections=5000, header_timeout=3).connection_limits()
+    assert limits == ConnectionLimits(max_connections=5000, header_timeout=3)
+    assert fitted_limits(limits, 1 << 20) == limits
+    small = fitted_limits(limits, 1024)  # room for the reserve and one accept batch
+    assert small.max_connections == 1024 - FD_RESERVE - accept_backlog(1024)
+    assert small.header_timeout == 3

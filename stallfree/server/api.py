@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from ..iteration_log import IterationLog
 from .async_engine import AsyncEngine
 from .config import RequestLimits
+from .connections import log_accept_errors_once
 from .engine_thread import EngineThread
 from .errors import APIKeyMiddleware, document_400_not_422, install_error_handlers
 from .limits import BodyLimitMiddleware
@@ -24,6 +25,7 @@ from .state import ServerState
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    log_accept_errors_once(asyncio.get_running_loop())
     yield
     # The engine thread (and a parallel engine's workers) stop with the server.
     state = app.state.stallfree
@@ -62,7 +64,8 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] = "model",
     app.state.stallfree = ServerState(async_engine, names, model_root, limits, tokenizer_threads)
     install_error_handlers(app)
     # The last added runs first: the key is checked before a byte of the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes,
+                       timeout=limits.body_timeout)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, public_metrics=public_metrics)
     for router in ROUTERS:

@@ -80,6 +80,8 @@ class RequestLimits:
     max_grammar_compile_seconds: int = _COMPILE.max_grammar_compile_seconds
     max_grammar_bytes: int = _COMPILE.max_grammar_bytes
     grammar_cache_bytes: int = _COMPILE.grammar_cache_bytes
+    # A body that trickles in holds its connection and a task: bounded (408 beyond).
+    body_timeout: int = 60  # seconds; a 4 MiB body at 1 Mbit/s takes ~35
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -96,6 +98,24 @@ class RequestLimits:
 
 
 _LIMITS = RequestLimits()
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What the server's sockets may hold (server/connections.py): idle sockets cost a file
+    descriptor each, and a server out of descriptors answers nobody, /health included."""
+
+    max_connections: int = 4096  # open client sockets (fewer if the fd limit is lower)
+    header_timeout: int = 10  # seconds from connecting (or a reply) to a request's headers
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+_CONNECTIONS = ConnectionLimits()
 
 
 @dataclass
@@ -143,6 +163,17 @@ class ServerConfig:
     grammar_cache_bytes: int = option(
         _LIMITS.grammar_cache_bytes, "memory of the compiled grammars kept for reuse "
                                      "(least recently used dropped)", parse=parse_size)
+    body_timeout: int = option(_LIMITS.body_timeout, "seconds to receive a request's body "
+                                                     "once its headers are in (408 beyond)",
+                               parse=parse_positive_int)
+    max_connections: int = option(
+        _CONNECTIONS.max_connections, "open client connections; beyond, the longest idle one "
+                                      "is closed (503 when none is idle); lowered to fit the "
+                                      "open-file limit", parse=parse_positive_int)
+    header_timeout: int = option(
+        _CONNECTIONS.header_timeout, "seconds a connection may take to send a request's "
+                                     "headers (then closed, 408 if it sent part)",
+        parse=parse_positive_int)
     tokenizer_threads: int = option(
         2, "threads that tokenize, apply chat templates and decode logprobs off the event "
            "loop (each with its own tokenizer)", parse=parse_positive_int)
@@ -165,6 +196,7 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be a positive integer or None, "
                              f"got {waiting!r}")
         self.limits()  # checks each limit
+        self.connection_limits()
         threads = self.tokenizer_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"tokenizer_threads must be a positive integer, got {threads!r}")
@@ -178,6 +210,10 @@ class ServerConfig:
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name)
                                 for f in dataclasses.fields(RequestLimits)})
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(**{f.name: getattr(self, f.name)
+                                   for f in dataclasses.fields(ConnectionLimits)})
 
     def served_names(self, model: str | None) -> list[str]:
         """The names clients may use: those given, else the model's path (or the default's)."""

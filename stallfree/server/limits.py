@@ -1,10 +1,12 @@
-"""Bounded work per request: the body's size (413) and what one request may ask (400).
+"""Bounded work per request: the body's size (413) and time (408), and what one request
+may ask (400).
 
 Each refusal names its limit and the flag that sets it, so a client knows what to
 change and an operator what to raise.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ..sampling_params import SamplingParams
@@ -47,11 +49,14 @@ def check_request_limits(limits: RequestLimits, params: SamplingParams,
 
 class BodyLimitMiddleware:
     """Answers 413 to a body over `max_bytes`, declared (Content-Length) or streamed
-    (chunked), before any of it is parsed; the body read is replayed to the app."""
+    (chunked), before any of it is parsed, and 408 to one not whole within
+    `timeout` seconds (a trickled body holds a connection and a task); the body read is
+    replayed to the app."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, timeout: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -61,19 +66,18 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, message.get("more_body", False))
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.timeout):
+                whole = await self._read(scope, receive, send, chunks)
+        except TimeoutError:
+            response = error_response(408, f"the request body took over {self.timeout:g} s "
+                                           "(this server's --body-timeout)",
+                                      code="limit_exceeded", headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        if not whole:
+            return
         replayed = False
 
         async def replay() -> dict:
@@ -84,6 +88,22 @@ class BodyLimitMiddleware:
             return await receive()  # later calls wait for the disconnect, as before
 
         await self.app(scope, replay, send)
+
+    async def _read(self, scope: dict, receive: Any, send: Any, chunks: list[bytes]) -> bool:
+        """Reads the body into `chunks`: False if it was refused or the client left."""
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return False
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send, message.get("more_body", False))
+                return False
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return True
 
     async def _refuse(self, scope: dict, receive: Any, send: Any, more: bool = True) -> None:
         # Most clients read no answer before they have sent their whole body: take (and

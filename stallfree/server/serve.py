@@ -43,6 +43,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     from ..engine import LLMEngine
     from ..iteration_log import IterationLog
     from .api import build_app
+    from .connections import accept_backlog, fitted_limits, guarded_protocol, raise_fd_limit
     from .engine_thread import EngineThread
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -89,9 +90,13 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
                         tokenizer_threads=server_config.tokenizer_threads,
                         on_fatal=stop_serving, engine_thread=engine_thread)
         host, port = server_config.host, server_config.port
+        # Connections bounded below the open-file limit, and their header wait.
+        fd_limit = raise_fd_limit()
+        connections = fitted_limits(server_config.connection_limits(), fd_limit)
         config = uvicorn.Config(app, host=host, port=port,
                                 log_level=server_config.uvicorn_log_level,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, backlog=accept_backlog(fd_limit),
+                                http=guarded_protocol(connections))
         server.append(uvicorn.Server(config))
         async_engine = app.state.stallfree.engine
         # The engine runs from build_app on: one that died before `server` was filled
