@@ -21,22 +21,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..executor.base import WorkerError
 from ..iteration_log import IterationLog
 from ..sampling_params import SamplingParams
+from .engine_commands import Abort, AddCall, CallEngine, Command, Prompt, Reply, Stop
 from .engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from .engine_thread import EngineThread
 from .prometheus import ServerMetrics
 
-if TYPE_CHECKING:
-    from .engine_call import Generation
-
 logger = logging.getLogger("stallfree.server")
-
-Prompt = str | list[int]
-
 
 # Failed steps in a row after which the engine is declared dead: recovery ends every
 # request, so a failure that outlives that is the engine's, not a request's.
@@ -58,35 +53,6 @@ class _Tracked:
     queue: asyncio.Queue
     prompt_len: int
     prompt_counted: bool = False
-
-
-def _reply(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
-           error: BaseException | None = None) -> None:
-    """Completes `fut` from the engine thread (unless its waiter gave up)."""
-    def complete() -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    try:
-        loop.call_soon_threadsafe(complete)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
-
-
-@dataclass
-class _Add:
-    """One API call's requests (one per prompt), for the engine thread to add all together
-    or none: the queue limit weighs the call once, so no call is ever half admitted."""
-
-    requests: list[tuple[str, Prompt]]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    fut: asyncio.Future
-    arrival: float
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
@@ -131,7 +97,7 @@ class AsyncEngine:
         self.metrics.set_engine_info(engine.info)
         self.iteration_log = iteration_log
         self.on_fatal = on_fatal  # runs once, on the engine thread, when the engine dies
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -173,7 +139,7 @@ class AsyncEngine:
             return EngineDeadError("the engine loop was cancelled")
         return self._loop.exception() or EngineDeadError("the engine loop ended")
 
-    def _put(self, command: tuple) -> None:
+    def _put(self, command: Command) -> None:
         with self._lock:
             if self.is_dead:
                 raise EngineDeadError(f"the engine has stopped ({self.dead_reason})")
@@ -185,38 +151,30 @@ class AsyncEngine:
         StepOutputs, then final RequestOutputs, go to `out`. Raises ValueError (a bad
         request), QueueFullError or EngineDeadError. Errors after acceptance arrive in
         `out` as exception objects."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        reply = Reply.new()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._put(("add", _Add(list(requests), params, loop, out, fut, arrival)))
-        await fut
+        self._put(AddCall(list(requests), params, out, arrival, reply))
+        await reply.fut
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between iterations; its result (or error).
         Raises EngineDeadError if the engine has stopped."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._put(("call", fn, loop, fut))
-        return await fut
+        reply = Reply.new()
+        self._put(CallEngine(fn, reply))
+        return await reply.fut
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV blocks (a no-op once it finished)."""
         try:
-            self._put(("abort", request_id))
+            self._put(Abort(request_id))
         except EngineDeadError:
             pass
-
-    def generate(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                 arrival_time: float | None = None) -> Generation:
-        from .engine_call import Generation
-
-        return Generation(self, request_id, list(prompts), params, arrival_time)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
             if self._dead is None and not self._stopping:
                 self._stopping = True
-                self._commands.put(("stop",))
+                self._commands.put(Stop())
         futures.wait([self._loop], timeout)
 
     # ---- engine thread --------------------------------------------------------
@@ -316,8 +274,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _add_call(self, add: _Add) -> None:
-        if add.fut.cancelled():
+    def _add_call(self, add: AddCall) -> None:
+        if add.reply.cancelled:
             return
         engine = self.engine
         limit = self.max_waiting_requests
@@ -326,7 +284,7 @@ class AsyncEngine:
         # Sequences, not requests: n and every prompt of the call count. An empty queue
         # takes any call (--max-sequences bounds it), so that none is refused forever.
         if limit is not None and waiting and waiting + asked > limit:
-            _reply(add.loop, add.fut, error=QueueFullError(
+            add.reply.send(error=QueueFullError(
                 f"the server is busy: {waiting} sequences are waiting and this asks for "
                 f"{asked} more (--max-waiting-requests {limit}); retry later"))
             return
@@ -339,31 +297,27 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, all of it
             for rid, _ in added:
                 engine.abort_request(rid)
-            _reply(add.loop, add.fut, error=exc)
+            add.reply.send(error=exc)
             return
         for rid, prompt_len in added:
-            self._tracked[rid] = _Tracked(add.loop, add.out, prompt_len)
-        _reply(add.loop, add.fut)
+            self._tracked[rid] = _Tracked(add.reply.loop, add.out, prompt_len)
+        add.reply.send()
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        engine = self.engine
-        if kind == "add":
-            self._add_call(command[1])
-        elif kind == "abort":
-            rid = command[1]
-            if self._tracked.pop(rid, None) is not None:
-                engine.abort_request(rid)
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, AddCall):
+            self._add_call(command)
+        elif isinstance(command, Abort):
+            if self._tracked.pop(command.request_id, None) is not None:
+                self.engine.abort_request(command.request_id)
                 self.metrics.aborted.inc()
-        elif kind == "call":
-            _, fn, loop, fut = command
+        elif isinstance(command, CallEngine):
             try:
-                result = fn(engine)
+                result = command.fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
-                _reply(loop, fut, error=exc)
+                command.reply.send(error=exc)
             else:
-                _reply(loop, fut, result)
-        elif kind == "stop":
+                command.reply.send(result)
+        elif isinstance(command, Stop):
             self._stopping = True
 
     def _step(self) -> None:
@@ -422,10 +376,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
-                _reply(command[1].loop, command[1].fut, error=error)
-            elif command[0] == "call":
-                _reply(command[2], command[3], error=error)
+            if isinstance(command, (AddCall, CallEngine)):
+                command.reply.send(error=error)
         try:
             self.metrics.observe_stats(self.engine.stats())
         except Exception:  # noqa: BLE001

@@ -4,13 +4,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from ..outputs import RequestOutput, StepOutput
 from ..sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from .async_engine import AsyncEngine, Prompt
+from .async_engine import AsyncEngine
+from .engine_commands import Prompt
 
 
 class Generation:

@@ -136,7 +136,7 @@ class ServerState:
         """Submits one engine request per prompt; refusals become OpenAI errors. `raw`: the
         HTTP request, whose client leaving during a grammar's compile aborts the call."""
         self.check_alive()
-        gen = self.engine.generate(request_id, prompts, params, arrival)
+        gen = Generation(self.engine, request_id, list(prompts), params, arrival)
         try:
             await gen.start()
         except ValueError as exc:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import stallfree
-
 logger = logging.getLogger("stallfree.structured")
 
 class CompileRefused(Exception):
@@ -47,7 +45,8 @@ class _Process:
     def __init__(self, info_json: str, threads: int) -> None:
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
+        # The folder holding the package (stallfree/structured/pool.py, two levels up).
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.popen = subprocess.Popen(
