@@ -161,11 +161,15 @@ def test_the_cache_stays_within_its_bytes(service, limits):
 
 
 # ---- through the server ----------------------------------------------------------------
+def _constrained_server(tiny_model: str, compile_seconds: int) -> ServerProcess:
+    return ServerProcess("--model", tiny_model, "--served-model-name", "tiny", "--dtype",
+                         "float32", "--max-model-len", "64", "--max-constraint-bytes", "8MiB",
+                         "--max-grammar-compile-seconds", str(compile_seconds))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    proc = ServerProcess("--model", tiny_model, "--served-model-name", "tiny", "--dtype",
-                         "float32", "--max-model-len", "64", "--max-constraint-bytes", "8MiB",
-                         "--max-grammar-compile-seconds", "1")
+    proc = _constrained_server(tiny_model, 1)
     yield proc
     proc.stop()
 
@@ -211,9 +215,7 @@ def test_a_compile_past_its_bound_gets_a_400_naming_the_flag(server):
 @pytest.fixture(scope="module")
 def patient_server(tiny_model):
     """A server that would let the 150K-value enum compile for a minute."""
-    proc = ServerProcess("--model", tiny_model, "--served-model-name", "tiny", "--dtype",
-                         "float32", "--max-model-len", "64", "--max-constraint-bytes", "8MiB",
-                         "--max-grammar-compile-seconds", "60")
+    proc = _constrained_server(tiny_model, 60)
     yield proc
     proc.stop()
 
