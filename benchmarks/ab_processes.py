@@ -1,5 +1,5 @@
-"""What the benchmarks that compare two settings in fresh processes share (huge_pages_ab.py,
-engine_ab.py): a child that prints one JSON line, and the order of the two sides.
+"""What a benchmark that compares two settings in fresh processes needs (engine_ab.py): a
+child that prints one JSON line, and the order of the two sides.
 
 A setting that only takes effect as a process starts (torch's huge-page switch, another
 revision's code) needs a process per measurement; on a shared machine whose speed swings
