@@ -1,6 +1,6 @@
 """A decode step of the default model as the engine launches it, beside the same step
 replayed from a CUDA graph: what graphs would buy a GPU, where a small model's step is
-hundreds of small kernel launches (issue 17; the engine has no graph path yet).
+hundreds of small kernel launches (the engine has no graph path yet).
 
 Run: python benchmarks/cuda_graph_step.py [--batches 1,8,32,64] [--context 512]
      [--rounds 20] [--dtype bfloat16]

@@ -1,6 +1,6 @@
 """Decode attention through torch's flex_attention, reading the engine's paged KV cache in
 place, beside the engine's own decode path on the same device: the candidate for a CUDA
-decode path (issue 17), where the engine gathers each request's blocks and runs SDPA.
+decode path, where the engine gathers each request's blocks and runs SDPA.
 
 Run: python benchmarks/flex_decode.py [--device cuda] [--dtype bfloat16] [--batches 1,8,32,64]
      [--context 512] [--blocks 8192] [--rounds 15]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's checks on a CUDA machine, in one run of a few minutes: the transformers match
+# The checks for a CUDA machine, in one run of a few minutes: the transformers match
 # of the default model and bf16's agreement with float32 (tests/test_engine.py,
 # tests/test_dtype.py), paged attention on the GPU against the CPU reference
 # (tests/test_attention_gpu.py), benchmarks/engine_speed.py with the GPU's floors,

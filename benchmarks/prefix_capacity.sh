@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Capacity with prefix caching on vs off (issue 14): the multi-turn and the shared-system-
+# Capacity with prefix caching on vs off: the multi-turn and the shared-system-
 # prompt workloads, each searched on our sarathi server twice, caching on and off, the two
 # searches side by side in one sitting, each on its own core with its bench client beside
 # it and one compute thread (as in bench_capacity.sh).
