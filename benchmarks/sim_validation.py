@@ -1,5 +1,5 @@
 """One round of the simulator's validation on this CPU (docs/simulation.md, "Validation
-against the real engine on this CPU"), as one bounded command instead of a page of shell.
+against the real engine on a CPU"), as one bounded command.
 
 A fresh profile of this machine, then per request rate: a fresh server logging every
 iteration (engine on one core, one thread), `bench serve` on the other core, the same
