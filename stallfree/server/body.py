@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -20,6 +21,11 @@ from .config import RequestLimits
 from .errors import APIError
 
 OFF_LOOP_BYTES = 64 << 10  # above this, a body is parsed and validated on a thread
+
+# One thread: a parse holds the GIL throughout, so parses side by side would hand the GIL
+# among themselves and keep the event loop (and the engine thread) from it; one after
+# another, the loop gets a turn between them.
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stallfree-body")
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -85,7 +91,8 @@ def parse_first(route: APIRoute, handler: Handler) -> Handler:
         if body and _is_json(request):
             state = request.app.state.stallfree
             if len(body) > OFF_LOOP_BYTES:
-                request._json = await asyncio.to_thread(_parse, body, state, route, True)
+                request._json = await asyncio.get_running_loop().run_in_executor(
+                    _PARSER, _parse, body, state, route, True)
             else:  # small: cheaper here than a thread's round trip
                 request._json = _parse(body, state, route, False)
         return await handler(request)
