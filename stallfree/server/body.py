@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
@@ -105,13 +105,3 @@ class ParseFirstRoute(APIRoute):
 
     def get_route_handler(self) -> Handler:
         return parse_first(self, super().get_route_handler())
-
-
-def parse_bodies_first(router: APIRouter) -> None:
-    """Makes `router`'s routes that take a body parse it first. The routers are declared
-    with FastAPI's APIRoute in their modules; an app builds each route's handler from
-    `route.get_route_handler()` when it includes the router, so the class is swapped
-    before (ParseFirstRoute adds no state, only the override)."""
-    for route in router.routes:
-        if type(route) is APIRoute and route.body_field is not None:
-            route.__class__ = ParseFirstRoute

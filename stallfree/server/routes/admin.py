@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from ..body import ParseFirstRoute
 from ..engine_errors import EngineDeadError
 from ..errors import ERROR_RESPONSES, APIError
 from ..state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
 
 
 @router.post("/reset_prefix_cache", responses={401: ERROR_RESPONSES[401],

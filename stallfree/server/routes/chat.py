@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...outputs import CompletionOutput, RequestOutput, StepOutput
+from ..body import ParseFirstRoute
 from ..errors import ERROR_RESPONSES
 from ..logprobs import chat_logprobs
 from ..protocol import (
@@ -21,7 +22,7 @@ from ..streaming import usage_of
 from ..tools import TextReply
 from .generation import reply, start_call
 
-router = APIRouter()
+router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
 
 
 def _choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprobs
+from ..body import ParseFirstRoute
 from ..errors import ERROR_RESPONSES
 from ..logprobs import (
     Decode,
@@ -19,7 +20,7 @@ from ..state import StateDep, token_decoder
 from ..streaming import usage_of
 from .generation import reply, start_call
 
-router = APIRouter()
+router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
 
 PromptTable = list[TokenLogprobs | None]
 

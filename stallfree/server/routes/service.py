@@ -8,12 +8,13 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from ..body import ParseFirstRoute
 from ..errors import ERROR_RESPONSES, error_response
 from ..prometheus import CONTENT_TYPE
 from ..protocol import ModelCard, ModelList
 from ..state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
 
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from ..body import ParseFirstRoute
 from ..errors import ERROR_RESPONSES, APIError
 from ..protocol import (
     DetokenizeRequest,
@@ -16,7 +17,7 @@ from ..protocol import (
 )
 from ..state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
