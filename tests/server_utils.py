@@ -1,6 +1,8 @@
 """Helpers for the server tests: a real server in a subprocess (or a thread), a fake engine."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import sys
@@ -38,6 +40,25 @@ class ServerProcess(LaunchedServer):
     def stop(self) -> None:
         super().stop(grace=15)
         os.unlink(self.log_path)
+
+
+async def stream_completion(c: httpx.AsyncClient, body: dict,
+                            started: asyncio.Event | None = None) -> tuple[str, str | None]:
+    """Streams a completion (`stream` is set here): its text and last finish reason. Fails
+    on an error event; sets `started` at the first chunk."""
+    text, finish = "", None
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            finish = chunk["choices"][0]["finish_reason"] or finish
+            if started is not None:
+                started.set()
+    return text, finish
 
 
 class ThreadServer:

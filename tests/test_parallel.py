@@ -264,12 +264,11 @@ def test_server_restarts_crashed_workers_then_exits_when_it_cannot(small_model, 
     recomputed and every stream ends with the tokens of an undisturbed run. Workers that
     cannot come back (the model is gone): the server exits non-zero, workers and all."""
     import asyncio
-    import json
     import shutil
 
     import httpx
 
-    from server_utils import ServerProcess
+    from server_utils import ServerProcess, stream_completion
 
     model = tmp_path / "model"
     shutil.copytree(small_model, model)
@@ -286,19 +285,9 @@ def test_server_restarts_crashed_workers_then_exits_when_it_cannot(small_model, 
             started = [asyncio.Event() for _ in PROMPTS]
 
             async def stream(i: int) -> str:
-                text, finish = "", None
-                async with c.stream("POST", "/v1/completions", json={
-                        "model": "small", "prompt": PROMPTS[i], "max_tokens": 24,
-                        "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
-                        finish = chunk["choices"][0]["finish_reason"] or finish
-                        started[i].set()
+                text, finish = await stream_completion(c, {
+                    "model": "small", "prompt": PROMPTS[i], "max_tokens": 24,
+                    "temperature": 0.0, "ignore_eos": True}, started[i])
                 assert finish == "length"
                 return text
 

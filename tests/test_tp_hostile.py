@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 
 import httpx
 import pytest
@@ -109,7 +108,7 @@ def _worker_port(server_pid: int) -> int:
 
 
 def test_tp2_server_hostile_fields_and_forged_keys_leave_a_stream_intact(tiny_model):
-    from server_utils import ServerProcess
+    from server_utils import ServerProcess, stream_completion
 
     expected = LLM(tiny_model, **ENGINE).generate(
         PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].text
@@ -123,19 +122,9 @@ def test_tp2_server_hostile_fields_and_forged_keys_leave_a_stream_intact(tiny_mo
             first = asyncio.Event()
 
             async def stream() -> str:
-                text, finish = "", None
-                async with c.stream("POST", "/v1/completions", json={
-                        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 40,
-                        "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
-                        finish = chunk["choices"][0]["finish_reason"] or finish
-                        first.set()
+                text, finish = await stream_completion(c, {
+                    "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 40,
+                    "temperature": 0.0, "ignore_eos": True}, first)
                 assert finish == "length"
                 return text
 
