@@ -108,6 +108,24 @@ def test_vllm_prompt_logprobs_field(server, client):
     assert 0 < ranked < len(ids) - 1  # the prompt has tokens the model expects, and others
 
 
+def test_chat_prompt_logprobs_are_those_of_its_templated_prompt(server, client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    field = chat.model_extra["prompt_logprobs"]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages},
+                     timeout=30).json()["tokens"]
+    assert len(field) == len(ids) and field[0] is None
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True,
+                                       logprobs=0)
+    assert [position[str(t)]["logprob"] for t, position in zip(ids[1:], field[1:])] == \
+        pytest.approx(plain.choices[0].logprobs.token_logprobs[1:], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       stream=True, extra_body={"prompt_logprobs": 0})
+    assert refused.value.body["param"] == "prompt_logprobs"
+
+
 def test_tokenizer_info(server):
     info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
     assert info["eos_token"] == "<|im_end|>" and info["eos_token_id"] == 2

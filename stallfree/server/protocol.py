@@ -85,6 +85,10 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
     min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[StrictFloat, Field(gt=0)] | None = None
     min_tokens: TokenCount = 0
+    # Each prompt token's logprob and this many alternatives, in vLLM's prompt_logprobs
+    # format (on each completion choice; on a chat response). Completions' echo + logprobs
+    # also gives them, in OpenAI's legacy format.
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
@@ -132,9 +136,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: TokenCount | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    # vLLM's: each prompt token's logprob and this many alternatives, in the choice's
-    # own prompt_logprobs field (echo + logprobs gives them in OpenAI's legacy format).
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     suffix: Text | None = None
 
@@ -271,9 +272,13 @@ class ChatCompletionRequest(_SamplingFields):
                                                  f"to tool calls: it cannot be combined with "
                                                  f"another constraint")
         # OpenAI's default: generate until the model stops (or max_model_len).
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedFeature("prompt_logprobs", "prompt_logprobs are not streamed by "
+                                                        "chat completions: ask without stream")
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self._sampling_params(max_tokens,
-                                     (self.top_logprobs or 0) if self.logprobs else None, forced)
+                                     (self.top_logprobs or 0) if self.logprobs else None, forced,
+                                     self.prompt_logprobs)
 
 
 class ChatResponseMessage(BaseModel):
@@ -296,6 +301,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as vLLM's
 
 
 # ---- models, tokenizer -------------------------------------------------------

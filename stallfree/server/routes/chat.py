@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from ...outputs import CompletionOutput, RequestOutput, StepOutput
 from ..body import ParseFirstRoute
 from ..errors import ERROR_RESPONSES
-from ..logprobs import chat_logprobs
+from ..logprobs import chat_logprobs, prompt_logprobs_field
 from ..protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -62,8 +62,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                         finish_reason=finish)
 
         choices = [choice(o) for o in finals[0].outputs]
+        final = finals[0]
+        prompt = None if final.prompt_logprobs is None else prompt_logprobs_field(
+            final.prompt_token_ids, final.prompt_logprobs, decode)
         return ChatCompletionResponse(id=call.id, created=call.created, model=model,
-                                      choices=choices, usage=Usage(**usage_of(finals)))
+                                      choices=choices, usage=Usage(**usage_of(finals)),
+                                      prompt_logprobs=prompt)
 
     # Each choice's stream opens with the assistant's role, as OpenAI's does.
     roles = [call.chunk(_choice(j, {"role": "assistant", "content": ""}, None))
