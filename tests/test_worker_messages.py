@@ -79,7 +79,7 @@ def test_signed_messages_round_trip_and_forged_ones_are_rejected(store, tmp_path
     with pytest.raises(ForgedMessage, match="msg/1"):
         worker.read("msg/1", Message)
     Channel(attacker, new_secret()).put("msg/2", RunMessage([]))  # another run's secret
-    with pytest.raises(ForgedMessage, match="signature"):
+    with pytest.raises(ForgedMessage, match="this run.s secret"):
         worker.read("msg/2", Message)
     attacker.set("msg/3", attacker.get("msg/0"))  # a real message, replayed elsewhere
     with pytest.raises(ForgedMessage):
