@@ -44,9 +44,9 @@ import torch
 
 import stallfree.attention_plan as plan
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernel_table import choose_kernels, default_kernels
 from stallfree.model.kernels import unavailable_reason
 from stallfree.model.loader import default_model_path, load_model_config
-from stallfree.model.paged_decode import kernel_enabled
 
 BLOCK = 16
 # (decodes, long requests among them, their context): the rest are short (mean ~270 tokens).
@@ -82,23 +82,25 @@ class Case:
         hq, hkv, hd = heads
         seqs = [(c - 1, 1, [rng.randrange(num_blocks) for _ in range(-(-c // BLOCK))])
                 for c in lens]
-        self.meta = AttentionMetadata.build(seqs, BLOCK, "cpu", GatherWorkspace())
+        self.meta = AttentionMetadata.build(seqs, BLOCK, "cpu", GatherWorkspace(),
+                                            kernels=default_kernels())
+        self.torch_meta = AttentionMetadata.build(  # the same batch on the torch path
+            seqs, BLOCK, "cpu", GatherWorkspace(),
+            kernels=choose_kernels({"decode_attention": "torch"}))
         self.q = torch.randn(len(lens), hq, hd, dtype=cache.dtype)
         self.k = torch.randn(len(lens), hkv, hd, dtype=cache.dtype)
 
     def torch_path(self, fresh: bool = False) -> None:
-        with kernel_enabled(False):
-            for i in range(self.layers):
-                if fresh:  # a new destination per gather, as before the reused buffer
-                    self.meta.workspace = GatherWorkspace()
-                paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
-                                self.heads[2] ** -0.5)
+        for i in range(self.layers):
+            if fresh:  # a new destination per gather, as before the reused buffer
+                self.torch_meta.workspace = GatherWorkspace()
+            paged_attention(self.q, self.k, self.k, self.cache[i], self.torch_meta,
+                            self.heads[2] ** -0.5)
 
     def kernel(self) -> None:
-        with kernel_enabled(True):
-            for i in range(self.layers):
-                paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
-                                self.heads[2] ** -0.5)
+        for i in range(self.layers):
+            paged_attention(self.q, self.k, self.k, self.cache[i], self.meta,
+                            self.heads[2] ** -0.5)
 
     def op(self, namespace: str = "stallfree", cache: torch.Tensor | None = None,
            tiles: bool = True) -> None:

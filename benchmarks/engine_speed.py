@@ -5,17 +5,11 @@ Run: .venv/bin/python benchmarks/engine_speed.py [--quick] [--batches 1,32] [--r
 The engine's figures are medians of repeated measurements taken in this one run, the
 floors beside them the best of repeated calls; each decode row is the median of rounds
 that measure their floors again just before their steps, the ratio per round.
---kernel-ab NAME [--dtype D]: only the decode steps, with one CPU kernel and with its torch
-path in alternation (rounds interleaved), side by side. NAME: paged_decode (decode
-attention), skinny_linear (few-token bf16 matmuls), fused_ops (residual add + RMSNorm, and
-RoPE + the KV cache write), packed_linear (bf16 matmuls from weights prepacked for oneDNN),
-amx_linear (bf16 matmuls in AMX tiles; its torch path is the skinny kernel and oneDNN, the
-weights repacked at each switch), amx_attention (decode attention's scores in AMX tiles;
-its other path is the kernel's vectors), paged_prefill (prefill attention over the paged cache; its
-torch path gathers the context and runs SDPA; measured on prefills, not decode steps),
-layer_loop (the decoder layers in one C++ call; its other path is the Python layer loop
-calling the same kernels), f32_linear (float32 matmuls in their kernel, with --dtype
-float32; its torch path is F.linear and the Python layer loop).
+--kernel-ab OP=IMPL [--dtype D]: only the decode steps (prefill chunks for the ops of
+prefill), on the engine's kernel table and on the table with that one choice overridden (the
+`kernels` setting, e.g. decode_attention=torch or layer_loop=python; `stallfree info` lists
+the ops and implementations), rounds interleaved, side by side. The model is repacked at each
+switch, so a matmul choice's weights are packed for it.
 """
 from __future__ import annotations
 
@@ -31,17 +25,10 @@ import time
 import torch
 from device_timing import device_name, synchronize
 
-from stallfree.model import layer_loop, layers, linear, paged_decode, paged_prefill
+from stallfree.kernel_ops import parse_kernels
 from stallfree.model.llama import kv_cache_bytes_per_token
 
-SWITCHES = {"paged_decode": paged_decode.SWITCH, "skinny_linear": linear.SWITCH,
-            "fused_ops": layers.FUSED, "packed_linear": linear.PACKED, "amx_linear": linear.AMX,
-            "amx_attention": paged_decode.TILES, "paged_prefill": paged_prefill.SWITCH,
-            "layer_loop": layer_loop.SWITCH, "f32_linear": linear.F32}
-# Switches read when the weights are packed, at load: the model is repacked at each switch
-# (which also gives the torch path of f32_linear its plain weights back: linear.repack).
-REPACK = {"amx_linear", "packed_linear", "f32_linear"}
-PREFILL = {"paged_prefill"}  # compared on prefill chunks
+PREFILL = {"prefill_attention"}  # compared on prefill chunks
 DECODE_ROUNDS = 3
 
 
@@ -122,26 +109,29 @@ def prefill_tokens_per_second(llm: LLM, chunk: int, prompt_len: int) -> float:
     return statistics.median(rates)
 
 
-def kernel_ab(llm: LLM, name: str, sizes: list[int], rounds: int) -> None:
-    """One kernel against its torch path, rounds interleaved: prefill tokens/s of a
-    2048-token prompt at each chunk size (a prefill kernel), else the decode step time at
-    512-token contexts at each batch size."""
+def kernel_ab(llm: LLM, override: str, sizes: list[int], rounds: int) -> None:
+    """The engine's table against it with one op's choice overridden ("op=impl"), rounds
+    interleaved: prefill tokens/s of a 2048-token prompt at each chunk size (a prefill op),
+    else the decode step time at 512-token contexts at each batch size."""
+    (name, impl), = parse_kernels(override).items()
+    executor = llm.engine.executor
+    tables = {True: {}, False: {name: impl}}
+    default = executor.kernels.rows()
     prefill = name in PREFILL
     what = "prefill, 2048-token prompt in chunks" if prefill else "decode step, 512-token contexts"
     unit = "tok/s" if prefill else "ms/step"
+    chosen = next(i for op, i, _ in default if op == name)
     print(f"{what}, {llm.engine.dtype}, {torch.get_num_threads()} threads; {name}: median of "
           f"{rounds} interleaved rounds")
-    print(f"| {'chunk' if prefill else 'batch'} | torch path {unit} | kernel {unit} | speed-up |"
-          "\n|---|---|---|---|")
+    print(f"| {'chunk' if prefill else 'batch'} | {name}={impl} {unit} | {name}={chosen} {unit} "
+          "| speed-up |\n|---|---|---|---|")
     for size in sizes:
         values: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
-                with SWITCHES[name].within(on):
-                    if name in REPACK:
-                        llm.engine.executor.model.prepack()
-                    values[on].append(prefill_tokens_per_second(llm, size, 2048) if prefill
-                                      else decode_step_seconds(llm, size, 512, steps=8) * 1e3)
+                executor.use_kernels(tables[on])
+                values[on].append(prefill_tokens_per_second(llm, size, 2048) if prefill
+                                  else decode_step_seconds(llm, size, 512, steps=8) * 1e3)
         old, new = (statistics.median(values[k]) for k in (False, True))
         print(f"| {size} | {old:.1f} | {new:.1f} | {new / old if prefill else old / new:.2f}x |",
               flush=True)
@@ -151,8 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's)")
-    parser.add_argument("--kernel-ab", choices=sorted(SWITCHES), default=None,
-                        help="decode steps with and without this CPU kernel only")
+    parser.add_argument("--kernel-ab", default=None, metavar="OP=IMPL",
+                        help="decode steps on the engine's kernel table and with this "
+                             "choice overridden only")
     # The next three shape the floors' tables (not --kernel-ab's comparison).
     parser.add_argument("--batches", default=None,
                         help="decode batch sizes, comma-separated (default 1,8,32,64; "
@@ -164,7 +155,7 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     llm = LLM(max_model_len=4096, dtype=args.dtype)
-    if args.kernel_ab in PREFILL:
+    if args.kernel_ab and args.kernel_ab.partition("=")[0] in PREFILL:
         kernel_ab(llm, args.kernel_ab, [512] if args.quick else [128, 512, 2048],
                   3 if args.quick else 5)
         return

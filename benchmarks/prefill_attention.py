@@ -27,6 +27,7 @@ import torch
 from stallfree.executor.hardware import vector_flags
 from stallfree.model import paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernel_table import choose_kernels, default_kernels
 from stallfree.model.kernels import amx_unavailable_reason
 from stallfree.model.loader import default_model_path, load_model_config
 
@@ -58,6 +59,7 @@ def main() -> None:
           f"layer of {args.rounds} interleaved rounds")
     print("| cached | new | SDPA path | kernel | speed-up |\n|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
+    tables = {True: default_kernels(), False: choose_kernels({"prefill_attention": "torch"})}
     for cached, new in CHUNKS:
         table = rng.sample(range(num_blocks), -(-(cached + new) // BLOCK))
         q = torch.randn(new, hq, hd).to(dtype)
@@ -67,13 +69,12 @@ def main() -> None:
             for kernel in (False, True):
                 # Built and prepared once per forward in the engine, not per layer: untimed.
                 meta = AttentionMetadata.build([(cached, new, table)], BLOCK, "cpu",
-                                               GatherWorkspace())
-                with paged_prefill.kernel_enabled(kernel):
-                    meta.prepare(caches[0])
-                    start = time.perf_counter()
-                    for cache in caches:
-                        paged_attention(q, k, v, cache, meta, hd ** -0.5)
-                    seconds = (time.perf_counter() - start) / args.layers
+                                               GatherWorkspace(), kernels=tables[kernel])
+                meta.prepare(caches[0])
+                start = time.perf_counter()
+                for cache in caches:
+                    paged_attention(q, k, v, cache, meta, hd ** -0.5)
+                seconds = (time.perf_counter() - start) / args.layers
                 if round_:
                     times[kernel].append(seconds)
         sdpa, kern = (statistics.median(times[x]) * 1e3 for x in (False, True))

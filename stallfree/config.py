@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from .kernel_ops import KERNEL_OPS, check_kernels, parse_kernels
+
 # Scheduling policies (stallfree/scheduler/): Sarathi-Serve, its baselines and an
 # ablation. The other ablation, hybrid batching only, is sarathi with
 # token_budget = max_model_len.
@@ -193,6 +195,11 @@ class EngineConfig:
     threads: int | None = option(
         None, "CPU threads for the model's compute, per process (default: $OMP_NUM_THREADS, "
               "else the cores this process may run on)", parse=int)
+    kernels: dict[str, str] = option(
+        help="the kernel table's choices to override, op=impl comma-separated (e.g. "
+             "decode_attention=torch); `stallfree info` shows the table. Ops: "
+             + "; ".join(f"{op}: {'|'.join(impls)}" for op, impls in KERNEL_OPS.items()),
+        parse=parse_kernels, metavar="OP=IMPL,...", default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -203,6 +210,7 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.threads is not None:
             _check_positive_ints(self, "threads")
+        self.kernels = check_kernels(self.kernels)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -27,6 +27,7 @@ from .executor.cost_probe import calibrate
 from .executor.hardware import available_cores, probe_cpu_bf16
 from .executor.local import LocalExecutor
 from .model.config import ModelConfig
+from .model.kernel_table import KernelTable, choose_kernels
 from .model.llama import kv_cache_bytes_per_token
 from .model.loader import load_model, load_model_config
 from .model.parallel import Shard
@@ -66,22 +67,37 @@ class _Flight:
     cpu_start: float  # the engine thread's CPU clock when it was scheduled
 
 
+def choose_dtype(name: str | None, device_type: str) -> tuple[str, str]:
+    """The engine's dtype (a torch attribute name) and why: `auto` times this CPU's bf16."""
+    probe = None
+    if dtype_needs_cpu_probe(name, device_type):
+        result = probe_cpu_bf16()
+        probe = (result.fast, result.reason)
+    return resolve_dtype(name, device_type, probe)
+
+
 def make_executor(config: EngineConfig, device: torch.device,
-                  dtype_name: str) -> tuple[Executor, ModelConfig]:
-    """The model in this process, or (TP/PP) shard by shard in worker processes."""
-    parallel = config.parallel
+                  dtype_name: str) -> tuple[Executor, ModelConfig, KernelTable]:
+    """The model in this process, or (TP/PP) shard by shard in worker processes; and its
+    kernel table (under TP/PP, as this machine chooses it: each worker logs its own)."""
+    parallel, dtype = config.parallel, getattr(torch, dtype_name)
+    # A kernel the settings ask for that cannot run here fails now, before any weight loads.
+    choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
+                   tp_size=parallel.tensor_parallel_size)
     if parallel.world_size == 1:
-        model, model_config = load_model(config.model, getattr(torch, dtype_name), device)
-        return LocalExecutor(model, model_config, getattr(torch, dtype_name), device,
-                             config.seed), model_config
+        model, model_config = load_model(config.model, dtype, device, kernels=config.kernels)
+        return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
+                model.kernels)
     model_config = load_model_config(config.model)
     Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size).check(
         model_config.num_hidden_layers, model_config.num_key_value_heads)
     threads = threads_per_worker(parallel.world_size, config.threads)
     worker_config = WorkerConfig(config.model, dtype_name, device.type,
                                  parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                 config.seed, threads)
-    return DistributedExecutor(worker_config, parallel), model_config
+                                 config.seed, threads, dict(config.kernels))
+    table = choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
+                           tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim)
+    return DistributedExecutor(worker_config, parallel), model_config, table
 
 
 class LLMEngine:
@@ -98,15 +114,15 @@ class LLMEngine:
                                   available_cores())
         if self.device.type == "cpu" and config.parallel.world_size == 1:
             torch.set_num_threads(threads)  # before the probe, which times this many
-        probe = None
-        if dtype_needs_cpu_probe(config.dtype, self.device.type):
-            result = probe_cpu_bf16()
-            probe = (result.fast, result.reason)
-        dtype_name, why = resolve_dtype(config.dtype, self.device.type, probe)
+        dtype_name, why = choose_dtype(config.dtype, self.device.type)
         logger.info("dtype %s (%s); %d compute threads", dtype_name, why, threads)
-        self.info = EngineInfo(self.device.type, dtype_name, why, threads, huge_pages.status())
         self.dtype = getattr(torch, dtype_name)
-        self.executor, self.model_config = make_executor(config, self.device, dtype_name)
+        self.executor, self.model_config, self.kernels = make_executor(config, self.device,
+                                                                       dtype_name)
+        for op, impl, reason in self.kernels.rows():
+            logger.info("kernel %s: %s (%s)", op, impl, reason)
+        self.info = EngineInfo(self.device.type, dtype_name, why, threads, huge_pages.status(),
+                               self.kernels.rows())
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # Thread-safe: the server submits a request's grammar before queueing it.

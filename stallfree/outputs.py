@@ -174,3 +174,5 @@ class EngineInfo:
     dtype_reason: str  # "given", or what the auto choice measured
     threads: int  # compute threads per process
     huge_pages: str = "unknown"  # whether torch's big buffers get 2 MiB pages, and why
+    # The kernel table: (op, implementation, why) per op (stallfree/model/kernel_table.py).
+    kernels: tuple[tuple[str, str, str], ...] = ()

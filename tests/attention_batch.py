@@ -7,8 +7,18 @@ import random
 
 import torch
 
-from stallfree.model import paged_decode, paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernel_table import KernelTable, choose_kernels, default_kernels
+
+ATTENTION = ("decode_attention", "prefill_attention")
+
+
+def attention_kernels(kernel: bool, tiles: bool = True) -> KernelTable:
+    """The default table (AMX tiles where the CPU has them), the kernels in vectors, or the
+    reference path."""
+    if kernel and tiles:
+        return default_kernels()
+    return choose_kernels({op: "vectors" if kernel else "torch" for op in ATTENTION})
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -41,13 +51,15 @@ class Batch:
         return q, k, v
 
     def attend(self, seqs: list[tuple[int, int, list[int]]], kernel: bool,
-               qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The batch through `paged_attention` on the cache's device (q, k, v moved there)."""
+               qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               tiles: bool = True) -> torch.Tensor:
+        """The batch through `paged_attention` on the cache's device (q, k, v moved there),
+        in the kernels (AMX tiles where `tiles` and the CPU allow) or on the reference path."""
         device = self.cache.device
-        meta = AttentionMetadata.build(seqs, self.block_size, device, GatherWorkspace())
-        with paged_decode.kernel_enabled(kernel), paged_prefill.kernel_enabled(kernel):
-            return paged_attention(*(t.to(device) for t in qkv), self.cache, meta,
-                                   self.dim ** -0.5)
+        meta = AttentionMetadata.build(seqs, self.block_size, device, GatherWorkspace(),
+                                       kernels=attention_kernels(kernel, tiles))
+        return paged_attention(*(t.to(device) for t in qkv), self.cache, meta,
+                               self.dim ** -0.5)
 
     def both(self, seqs: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(kernel, reference) outputs of one batch (both write the same new K/V)."""

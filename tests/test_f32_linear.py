@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
 from stallfree.model.linear import (
-    F32,
     GatedLinear,
     Linear,
     gated_linear,
@@ -100,17 +100,19 @@ def test_layers_take_the_kernel_at_any_rows_unless_switched_off(monkeypatch):
         torch.testing.assert_close(layer(x), F.linear(x, weights[0], layer.bias))
         torch.testing.assert_close(mlp(x), silu_mul(F.linear(x, weights[1])))
     assert plain == [1, 600] and gated == [1, 600]
-    with F32.within(False):  # torch's path, on the plain weights read back from the packing
-        x = torch.randn(3, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, weights[0], layer.bias))
-        torch.testing.assert_close(mlp(x), silu_mul(F.linear(x, weights[1])))
+    no_kernel = choose_kernels({"matmul_f32": "torch"})
+    x = torch.randn(3, 64)  # torch's path, on the plain weights read back from the packing
+    torch.testing.assert_close(linear(x, layer.weight, layer.bias, layer.packed, no_kernel),
+                               F.linear(x, weights[0], layer.bias))
+    torch.testing.assert_close(gated_linear(x, mlp.weight, mlp.packed, no_kernel),
+                               silu_mul(F.linear(x, weights[1])))
     assert plain == [1, 600] and gated == [1, 600]
 
 
 def test_shapes_the_packing_cannot_take_keep_torchs_layout_or_stay_unfused():
     assert pack_weight(torch.randn(40, 64)) is None  # rows not in blocks of 16
-    with F32.within(False):
-        assert pack_weight(torch.randn(64, 64)) is None
+    assert pack_weight(torch.randn(64, 64), kernels=choose_kernels({"matmul_f32": "torch"})) \
+        is None
     # Halves of 24 rows cannot interleave in blocks: the plain packing, SiLU x up after it.
     odd = GatedLinear(64, 48, bias=False)
     weight = odd.weight.clone()

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.layers import FUSED, RMSNorm, RotaryEmbedding, apply_rope, rope_and_cache
+from stallfree.model.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_and_cache
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernels not built: {REASON}")
@@ -20,11 +21,14 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 **
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
 
-def _both(fn):
-    """fn() with the fused kernels and with the torch path."""
+def _both(norm: RMSNorm, fn):
+    """fn() with the fused kernel and with the torch path (the norm's table says which)."""
     fused = fn()
-    with FUSED.within(False):
+    norm.kernels = choose_kernels({"norm": "torch"})
+    try:
         reference = fn()
+    finally:
+        norm.kernels = None
     return fused, reference
 
 
@@ -37,10 +41,10 @@ def test_add_rms_norm_matches_the_torch_path(rows, dim, dtype, seed):
     norm.weight.data = torch.randn(dim, generator=gen).to(dtype)
     x = torch.randn(rows, dim, generator=gen).to(dtype)
     residual = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
-    (out, total), (ref_out, ref_total) = _both(lambda: norm.add_forward(x, residual.clone()))
+    (out, total), (ref_out, ref_total) = _both(norm, lambda: norm.add_forward(x, residual.clone()))
     assert torch.equal(total, ref_total)  # the residual stream is rounded as a plain add
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
-    plain, ref_plain = _both(lambda: norm(x))
+    plain, ref_plain = _both(norm, lambda: norm(x))
     torch.testing.assert_close(plain, ref_plain, **TOL[dtype])
 
 
@@ -109,4 +113,8 @@ def test_rope_and_cache_declines_what_it_does_not_cover_and_refuses_bad_slots():
     cache = torch.zeros(2, 4, 4, 1, 32)
     with pytest.raises(RuntimeError, match="outside the cache"):
         rope_and_cache(torch.randn(2, 96), cos, sin, cache, torch.tensor([0, 16]), 1, 1)
+    assert not cache.any()
+    # A table with rope_cache on torch: the torch path, nothing written.
+    assert not rope_and_cache(torch.randn(2, 96), cos, sin, cache, torch.tensor([0, 1]), 1, 1,
+                              choose_kernels({"rope_cache": "torch"}))
     assert not cache.any()

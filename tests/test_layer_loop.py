@@ -17,12 +17,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernel_paths import engine_kernels
 from stallfree import LLM, SamplingParams
-from stallfree.model import AttentionMetadata, allocate_kv_cache, layer_loop, load_model
+from stallfree.kernel_ops import reference
+from stallfree.model import AttentionMetadata, allocate_kv_cache, load_model
 from stallfree.model.attention import GatherWorkspace
+from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
 from stallfree.model.layer_loop import LayerLoop
-from stallfree.model.linear import F32, pair_kernel_unavailable_reason
+from stallfree.model.linear import pair_kernel_unavailable_reason
 from stallfree.model.parallel import Shard
 
 MISSING = pair_kernel_unavailable_reason()
@@ -46,9 +49,14 @@ def model_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("loop_llama"), **SHAPE)
 
 
-def _forward(model, config, seqs, seed: int, loop: bool, dtype=torch.bfloat16):
+PYTHON_LOOP = {"layer_loop": "python"}
+
+
+def _forward(path, seqs, seed: int, loop: bool, dtype=torch.bfloat16):
     """(hidden states, KV cache) of one forward over `seqs` [(cached, new, table)] with a
-    random cache, the C++ loop on or off; asserts it was taken when on."""
+    random cache, by the model loaded with the C++ loop or without; asserts it was taken."""
+    model, config = _load(path, dtype, {} if loop else PYTHON_LOOP)
+    assert (model.layer_loop is not None) == loop
     gen = torch.Generator().manual_seed(seed)
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
     kv.copy_(torch.randn(kv.shape, generator=gen))
@@ -56,7 +64,7 @@ def _forward(model, config, seqs, seed: int, loop: bool, dtype=torch.bfloat16):
     ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
     pos = torch.cat([torch.arange(c, c + n) for c, n, _ in seqs])
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace())
-    with torch.inference_mode(), layer_loop.SWITCH.within(loop):
+    with torch.inference_mode():
         hidden = model(ids, pos, meta, kv)
         if loop:
             x = torch.empty(rows, config.hidden_size, dtype=dtype)
@@ -86,10 +94,9 @@ def test_property_the_loop_equals_the_python_layers(model_dir, chunks, decodes, 
     the hidden states and the KV cache agree to the bit."""
     if not chunks and not decodes:
         decodes = [1]
-    model, config = _load(model_dir)
     seqs = _batch(chunks, decodes, seed)
-    hidden, kv = _forward(model, config, seqs, seed, loop=True)
-    ref_hidden, ref_kv = _forward(model, config, seqs, seed, loop=False)
+    hidden, kv = _forward(model_dir, seqs, seed, loop=True)
+    ref_hidden, ref_kv = _forward(model_dir, seqs, seed, loop=False)
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(kv, ref_kv)
 
@@ -103,10 +110,9 @@ def test_property_the_float32_loop_equals_the_python_layers(model_dir, chunks, d
     one batch: the same bits."""
     if not chunks and not decodes:
         decodes = [1]
-    model, config = _load(model_dir, torch.float32)
     seqs = _batch(chunks, decodes, seed)
-    hidden, kv = _forward(model, config, seqs, seed, True, torch.float32)
-    ref_hidden, ref_kv = _forward(model, config, seqs, seed, False, torch.float32)
+    hidden, kv = _forward(model_dir, seqs, seed, True, torch.float32)
+    ref_hidden, ref_kv = _forward(model_dir, seqs, seed, False, torch.float32)
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(kv, ref_kv)
 
@@ -114,10 +120,12 @@ def test_property_the_float32_loop_equals_the_python_layers(model_dir, chunks, d
 _LOADED: dict[tuple, tuple] = {}
 
 
-def _load(path: str | None, dtype: torch.dtype = torch.bfloat16):
-    if (path, dtype) not in _LOADED:
-        _LOADED[path, dtype] = load_model(path, dtype, "cpu")
-    return _LOADED[path, dtype]
+def _load(path: str | None, dtype: torch.dtype = torch.bfloat16,
+          kernels: dict[str, str] | None = None):
+    key = (path, dtype, tuple(sorted((kernels or {}).items())))
+    if key not in _LOADED:
+        _LOADED[key] = load_model(path, dtype, "cpu", kernels=kernels)
+    return _LOADED[key]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_loop),
@@ -131,36 +139,39 @@ def test_the_default_model_generates_the_same_tokens_and_logprobs_either_way(dty
     assert loop is not None and loop.final_norm is not None  # the final norm in the call too
     prompts = [[(i * 7919 + j * 31) % 40000 + 100 for j in range(20 + 53 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    outputs = {}
-    for on in (True, False):
-        with layer_loop.SWITCH.within(on):
-            outputs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    outputs = {True: [o.outputs[0] for o in llm.generate(prompts, params)]}
+    with engine_kernels(llm, PYTHON_LOOP):
+        outputs[False] = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
     assert [o.logprobs for o in outputs[True]] == [o.logprobs for o in outputs[False]]
 
 
+@needs_f32_loop
 def test_layers_it_cannot_run_say_why(model_dir):
-    with F32.within(False):
-        model, _ = load_model(model_dir, torch.float32, "cpu")
-    assert model.layer_loop is None
-    assert model.layer_loop_reason == "qkv_proj is not packed for the f32 kernel " \
-                                      "(linear.pack_weight)"
-    assert LayerLoop.build(model.model.layers, Shard(tp_size=2))[1].startswith("tensor")
-    assert LayerLoop.build([], Shard())[1] == "no decoder layers on this stage"
+    model, _ = load_model(model_dir, torch.float32, "cpu", kernels={"matmul_f32": "torch"})
+    assert model.layer_loop is None and model.kernels.layer_loop.impl == "python"
+    assert model.layer_loop_reason == model.kernels.layer_loop.reason
+    assert model.layer_loop_reason.endswith("not cpp: the matmuls do not run in a packed kernel")
+    table = choose_kernels(dtype=torch.float32)  # one that would run the loop
+    assert LayerLoop.build(model.model.layers, Shard(), table)[1] == \
+        "qkv_proj is not packed for the f32 kernel (linear.pack_weight)"
+    assert LayerLoop.build(model.model.layers, Shard(tp_size=2), table)[1].startswith("tensor")
+    assert LayerLoop.build([], Shard(), table)[1] == "no decoder layers on this stage"
     if MISSING is None:
+        table = choose_kernels(dtype=torch.bfloat16)
         layer = copy.deepcopy(_load(model_dir)[0].model.layers[0])
-        assert LayerLoop.build([layer], Shard())[1] is None
+        assert LayerLoop.build([layer], Shard(), table)[1] is None
         norm = copy.deepcopy(layer.input_layernorm)
-        assert LayerLoop.build([layer], Shard(), norm)[0].final_norm is norm.weight
+        assert LayerLoop.build([layer], Shard(), table, norm)[0].final_norm is norm.weight
         norm.eps *= 2  # a final norm the call would apply with the layers' eps: left out
-        assert LayerLoop.build([layer], Shard(), norm)[0].final_norm is None
+        assert LayerLoop.build([layer], Shard(), table, norm)[0].final_norm is None
         qkv = layer.self_attn.qkv_proj
         qkv.bias = torch.nn.Parameter(torch.zeros(qkv.out_features))
-        assert LayerLoop.build([layer], Shard())[1] == "qkv_proj has a bias"
+        assert LayerLoop.build([layer], Shard(), table)[1] == "qkv_proj has a bias"
 
 
-def _prepared(config, seqs):
-    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace())
+def _prepared(config, seqs, kernels=None):
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", GatherWorkspace(), kernels=kernels)
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, "cpu")
     meta.prepare(kv[0])
     return meta, kv
@@ -168,10 +179,9 @@ def _prepared(config, seqs):
 
 @needs_loop
 def test_batches_a_kernel_does_not_take_run_the_python_layers(model_dir):
-    """A float32 batch, a cache of other layers, any of the kernels' switches off: `fits`
-    says no, as the Python path would then take a torch path somewhere in the layer."""
-    from stallfree.model import layers, linear, paged_decode, paged_prefill
-
+    """A float32 batch, a cache of other layers, a table with any of the layer's ops on its
+    torch path: no loop, or `fits` says no, as the Python path would then take a torch path
+    somewhere in the layer."""
     model, config = _load(model_dir)
     loop = model.layer_loop
     meta, kv = _prepared(config, _batch([], [30], 0))
@@ -179,12 +189,13 @@ def test_batches_a_kernel_does_not_take_run_the_python_layers(model_dir):
     assert loop.fits(x, meta, kv)
     assert not loop.fits(x.float(), meta, kv)
     assert not loop.fits(x, meta, kv[1:])
-    for switch in (layer_loop.SWITCH, linear.AMX, layers.FUSED, paged_decode.SWITCH):
-        with switch.within(False):
-            assert not loop.fits(x, meta, kv), switch.env_var
+    for op in ("layer_loop", "matmul_bf16", "norm", "rope_cache"):
+        assert _load(model_dir, torch.bfloat16, {op: reference(op)})[0].layer_loop is None, op
+    slow = _load(model_dir, torch.bfloat16, {"decode_attention": "torch"})[0].layer_loop
+    assert not slow.fits(x, *_prepared(config, _batch([], [30], 0), slow.kernels))
     x = torch.zeros(41, config.hidden_size, dtype=torch.bfloat16)  # a chunk and a decode
-    with paged_prefill.SWITCH.within(False):
-        meta, kv = _prepared(config, _batch([(0, 40)], [30], 0))
-        assert not loop.fits(x, meta, kv)
+    slow = _load(model_dir, torch.bfloat16, {"prefill_attention": "torch"})[0].layer_loop
+    meta, kv = _prepared(config, _batch([(0, 40)], [30], 0), slow.kernels)
+    assert not slow.fits(x, meta, kv)
     meta, kv = _prepared(config, _batch([(0, 40)], [30], 0))
     assert loop.fits(x, meta, kv)

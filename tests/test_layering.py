@@ -21,7 +21,7 @@ TESTS = Path(__file__).parent
 # from any layer below its own; `__init__` is stallfree/__init__.py.
 LAYERS = (
     ("foundation", "config sampling_params request outputs attention_plan detokenizer "
-                   "iteration_log data structured_outputs huge_pages"),
+                   "iteration_log data structured_outputs huge_pages kernel_ops env"),
     ("core", "scheduler model request_group"),  # scheduler: pure Python (test_scheduler.py)
     ("execution", "executor distributed structured"),  # structured: xgrammar matchers
     ("engine", "engine"),
@@ -37,6 +37,7 @@ SIDEWAYS = {
     "sampling_params": ("structured_outputs",),
     "outputs": ("attention_plan",),
     "iteration_log": ("outputs",),
+    "config": ("kernel_ops",),             # checks the `kernels` setting's names
     "distributed": ("executor",),          # the distributed executor reuses the local one
     "sim": ("bench",),                     # shared workload and report code
     "profiler": ("sim",),                  # writes profiles, netting out the cost model

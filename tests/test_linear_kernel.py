@@ -18,13 +18,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import amx_unavailable_reason, unavailable_reason
 from stallfree.model.linear import (
-    AMX,
     AMX_MAX_ROWS,
-    PACKED,
     SKINNY_MAX_TOKENS,
-    SWITCH,
     GatedLinear,
     Linear,
     gated_linear,
@@ -81,7 +79,6 @@ def test_the_model_shapes_match_torch():
 
 
 @needs_kernel
-@AMX.within(False)  # the skinny kernel is the few-row path where AMX is not
 def test_linear_takes_the_kernel_only_for_few_bf16_rows(monkeypatch):
     calls = []
     real = torch.ops.stallfree.skinny_linear
@@ -92,8 +89,9 @@ def test_linear_takes_the_kernel_only_for_few_bf16_rows(monkeypatch):
     expected = F.linear(x, layer.weight, layer.bias)
     layer(x)                                   # too many rows: torch
     layer.float()(x.float())                   # float32: torch
-    with SWITCH.within(False):
-        layer.bfloat16()(x[:1])                # switched off: torch
+    layer.bfloat16()
+    no_skinny = choose_kernels({"matmul_bf16_few_rows": "torch"})
+    linear(x[:1], layer.weight, layer.bias, kernels=no_skinny)  # the table says torch
     assert calls == []
     got = layer(x[:2])
     assert len(calls) == 1
@@ -127,8 +125,7 @@ def test_prepacked_weights_match_the_float64_product_within_bf16_rounding(
     layer = Linear(cols, rows, bias=bias).bfloat16()
     with torch.no_grad():
         layer.weight.copy_(torch.randn(rows, cols, generator=gen))
-    with AMX.within(False):
-        layer.prepack()
+    layer.prepack(choose_kernels({"matmul_bf16": "onednn"}))
     assert layer.packed is not None and layer.packed.layout == "onednn"
     x = torch.randn(tokens, cols, generator=gen).bfloat16()
     out = layer(x).double()
@@ -148,11 +145,10 @@ def test_packed_weights_are_used_only_where_they_apply(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(a[0].shape) or real(*a))
     layer = Linear(64, 48, bias=False).bfloat16()
-    with AMX.within(False):
-        layer.prepack()
+    layer.prepack(choose_kernels({"matmul_bf16": "onednn"}))
     x = torch.randn(SKINNY_MAX_TOKENS + 3, 64).bfloat16()
-    with PACKED.within(False):
-        reference = layer(x)                   # switched off: F.linear
+    reference = linear(x, layer.weight, layer.bias, layer.packed,  # the table says F.linear
+                       choose_kernels({"matmul_bf16": "torch"}))
     assert calls == []
     got = layer(x)
     assert calls == [x.shape]
@@ -240,9 +236,10 @@ def test_amx_packing_is_chosen_where_the_shape_fits_and_used_up_to_its_row_limit
     assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
     assert pair_kernel_max_rows() == (AMX_MAX_ROWS if AMX_MISSING is None else sys.maxsize)
     count = len(calls)
-    with AMX.within(False):  # torch's path, on the plain weight (kept or read back)
-        x = torch.randn(8, 64).bfloat16()
-        assert torch.equal(layer(x), F.linear(x, weight, layer.bias))
+    x = torch.randn(8, 64).bfloat16()  # torch's path, on the plain weight (kept or read back)
+    assert torch.equal(linear(x, layer.weight, layer.bias, layer.packed,
+                              choose_kernels({"matmul_bf16": "torch"})),
+                       F.linear(x, weight, layer.bias))
     assert len(calls) == count
     # Shapes the tiles cannot cover fall back to oneDNN's layout (or none).
     odd = pack_weight(torch.randn(40, 64).bfloat16())
@@ -310,9 +307,10 @@ def test_the_gated_layer_fuses_up_to_the_row_limit_and_falls_back_alike(monkeypa
     # Past the limit: torch's matmul, then the two ops.
     assert calls == [t for t in sizes if t <= pair_kernel_max_rows()]
     count = len(calls)
-    with AMX.within(False):
-        x = torch.randn(8, 64).bfloat16()
-        assert torch.equal(layer(x), silu_mul(F.linear(x, weight)))
+    x = torch.randn(8, 64).bfloat16()
+    assert torch.equal(gated_linear(x, layer.weight, layer.packed,
+                                    choose_kernels({"matmul_bf16": "torch"})),
+                       silu_mul(F.linear(x, weight)))
     assert len(calls) == count
     # Halves of a size the gated packing cannot interleave keep the plain packing, unfused.
     odd = GatedLinear(64, 2 * 48, bias=False).bfloat16()

@@ -14,16 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallfree.model import load_model
+from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
+from stallfree.model.layer_loop import LayerLoop
 from stallfree.model.linear import (
-    AMX,
-    F32,
     Linear,
+    linear,
     pair_kernel_max_rows,
     pair_kernel_unavailable_reason,
     plain_weight,
 )
 from stallfree.model.packing import PackedWeight, gate_up_alternating
+from stallfree.model.parallel import Shard
 from tiny_models import save_tiny_model
 
 REASON = unavailable_reason()
@@ -98,10 +100,12 @@ def test_a_layer_drops_its_plain_weight_and_gets_it_back_when_its_kernel_is_off(
     x = torch.randn(5, 40)
     expected = F.linear(x, weight, layer.bias)
     torch.testing.assert_close(layer(x), expected)
-    with F32.within(False):
-        torch.testing.assert_close(layer(x), expected)  # read back for torch, per call
-        layer.prepack()  # a repack without the kernel: the plain weight is kept
-        assert layer.packed is None and torch.equal(layer.weight, weight)
+    no_kernel = choose_kernels({"matmul_f32": "torch"})
+    # Read back for torch, per call.
+    torch.testing.assert_close(linear(x, layer.weight, layer.bias, layer.packed, no_kernel),
+                               expected)
+    layer.prepack(no_kernel)  # a repack without the kernel: the plain weight is kept
+    assert layer.packed is None and torch.equal(layer.weight, weight)
     layer.prepack()
     assert layer.weight is None and torch.equal(layer.packed.unpack(), weight)
 
@@ -116,15 +120,14 @@ def tied_model(tmp_path_factory) -> str:
 def test_a_loaded_model_holds_each_matrix_once(tied, dtype, tied_model, tiny_model):
     """In float32, and in bf16 where the tile packing's kernel takes every row count (in
     vectors); the reference is loaded with that kernel off, its plain weights kept."""
-    switch = F32 if dtype == torch.float32 else AMX
+    op = "matmul_f32" if dtype == torch.float32 else "matmul_bf16"
     if dtype == torch.bfloat16 and pair_kernel_unavailable_reason() is not None:
         pytest.skip(f"bf16 matmul packing: {pair_kernel_unavailable_reason()}")
     if dtype == torch.bfloat16 and pair_kernel_max_rows() != sys.maxsize:
         pytest.skip("AMX tiles: matmuls past AMX_MAX_ROWS rows read the plain weight")
     path = tied_model if tied else tiny_model
     model, config = load_model(path, dtype, "cpu")
-    with switch.within(False):
-        reference, _ = load_model(path, dtype, "cpu")
+    reference, _ = load_model(path, dtype, "cpu", kernels={op: "torch"})
     # Plain matrices left: an untied embedding's table (a lookup, no matmul), else none.
     plain = [name for name, p in model.named_parameters() if p.dim() == 2]
     assert plain == ([] if tied else ["model.embed_tokens.weight"])
@@ -136,7 +139,9 @@ def test_a_loaded_model_holds_each_matrix_once(tied, dtype, tied_model, tiny_mod
             + sum(m.packed.nbytes for m in model.modules()
                   if getattr(m, "packed", None) is not None and m.weight is None))
     assert held == sum(model.weight_numels().values()) * dtype.itemsize
-    assert model.layer_loop is not None
+    # The packings alone feed the C++ layer loop (this model's 16-dim heads keep it off:
+    # RoPE's kernel takes multiples of 32, so the table is asked without the shape).
+    assert LayerLoop.build(model.model.layers, Shard(), choose_kernels(dtype=dtype))[1] is None
     ids = torch.tensor([0, 5, config.vocab_size - 1, 77, 5])
     embed = model.model.embed_tokens
     assert (embed.packed is not None) == tied
@@ -150,8 +155,6 @@ def test_a_loaded_model_holds_each_matrix_once(tied, dtype, tied_model, tiny_mod
 def test_a_tied_embedding_is_packed_only_on_the_stage_that_computes_logits(stage, tied_model):
     """Two pipeline stages of a tied model: the first only looks the embedding up (a plain
     table), the last computes logits from it (its packing, rows looked up there)."""
-    from stallfree.model.parallel import Shard
-
     model, _ = load_model(tied_model, torch.float32, "cpu", Shard(pp_rank=stage, pp_size=2))
     embed = model.model.embed_tokens
     last = stage == 1

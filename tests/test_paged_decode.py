@@ -12,14 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_batch import Batch, rel_err
+from kernel_paths import engine_kernels
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernel_table import choose_kernels, default_kernels
 from stallfree.model.kernels import (
     KernelLibrary,
     amx_unavailable_reason,
     library_path,
     unavailable_reason,
 )
-from stallfree.model.paged_decode import AUTO_SPLIT, kernel_enabled, paged_decode, usable
+from stallfree.model.paged_decode import AUTO_SPLIT, paged_decode, usable
 
 REASON = unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernel not built: {REASON}")
@@ -181,7 +183,7 @@ def test_the_kernel_gathers_nothing(monkeypatch):
         raise AssertionError("decode gathered KV blocks")
 
     monkeypatch.setattr(GatherWorkspace, "gather", no_gather)
-    assert usable(batch.cache)
+    assert usable(batch.cache, default_kernels())
     paged_attention(*batch.qkv(2), batch.cache, meta, 0.125)
     assert meta.decode_plan is None  # no length groups either
 
@@ -212,16 +214,16 @@ def test_without_a_built_library_the_torch_path_runs_and_says_why(tmp_path, monk
 
 def test_the_reference_path_never_uses_the_kernel():
     batch = Batch((9, 3, 64))
-    with kernel_enabled(False):
-        assert not usable(batch.cache)
-    assert not usable(batch.cache.to("meta"))  # other devices keep the torch path
+    assert not usable(batch.cache, choose_kernels({"decode_attention": "torch"}))
+    # Other devices keep the torch path.
+    assert not usable(batch.cache.to("meta"), default_kernels())
 
 
 @needs_kernel
 def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(default_llm,
                                                                       monkeypatch):
     from stallfree import SamplingParams
-    from stallfree.model import attention, layer_loop
+    from stallfree.model import attention
 
     calls = []
     real = attention.paged_decode
@@ -229,10 +231,11 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(default_ll
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with layer_loop.SWITCH.within(False):  # the Python layers, whose attention call is seen
+    # The Python layers, whose attention call is seen.
+    with engine_kernels(default_llm, {"layer_loop": "python"}):
         fast = [o.token_ids for o in default_llm.generate(prompts, params)]
     assert calls, "the engine's decodes did not run in the kernel"
-    with kernel_enabled(False):
+    with engine_kernels(default_llm, {"decode_attention": "torch"}):
         reference = [o.token_ids for o in default_llm.generate(prompts, params)]
     assert fast == reference
 

@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_batch import Batch, rel_err
-from stallfree.model import paged_decode, paged_prefill
+from kernel_paths import engine_kernels
+from stallfree.model import paged_prefill
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from stallfree.model.kernel_table import choose_kernels, default_kernels
 
 MISSING = paged_prefill.unavailable_reason()
 needs_kernel = pytest.mark.skipif(MISSING is not None, reason=f"prefill kernel: {MISSING}")
@@ -52,15 +54,17 @@ DRAWS = dict(shapes=st.lists(st.tuples(st.integers(0, 900), st.integers(2, 300))
              seed=st.integers(0, 2**16))
 
 
-def _check_draw(dtype, shapes, decodes, heads, block_size, seed, truth_tol, reference_tol):
+def _check_draw(dtype, shapes, decodes, heads, block_size, seed, truth_tol, reference_tol,
+                tiles=True):
     """One drawn batch of chunks and decodes, each request's rows within `truth_tol` of the
     wider math and `reference_tol` of the reference path in the cache's dtype."""
     batch = Batch(heads, dtype, block_size=block_size,
                   num_blocks=7 * 1300 // block_size + 7, seed=seed)
-    assert paged_prefill.usable(batch.cache), "the draw would compare the reference with itself"
+    assert paged_prefill.usable(batch.cache, default_kernels()), \
+        "the draw would compare the reference with itself"
     seqs = _chunks(batch, shapes) + batch.decodes(decodes)
     qkv = batch.qkv(sum(n for _, n, _ in seqs))
-    out = batch.attend(seqs, True, qkv)
+    out = batch.attend(seqs, True, qkv, tiles)
     truth = _truth(batch, seqs, qkv)
     reference = batch.attend(seqs, False, qkv)
     assert out.dtype == dtype and out.shape == truth.shape
@@ -79,8 +83,7 @@ def test_property_chunks_match_fp32_math(shapes, decodes, heads, block_size, see
     32-key steps), GQA groups of 1-16, 32-128 dims, beside decodes in the same batch: within
     the output's bf16 rounding of fp32 math on the same values, and close to the bf16
     reference path. The cache is random, so the slots past a context hold arbitrary values."""
-    with paged_decode.TILES.within(tiles):
-        _check_draw(torch.bfloat16, shapes, decodes, heads, block_size, seed, 8e-3, 2 ** -6)
+    _check_draw(torch.bfloat16, shapes, decodes, heads, block_size, seed, 8e-3, 2 ** -6, tiles)
 
 
 @needs_f32_kernel
@@ -168,8 +171,8 @@ def test_bad_arguments_raise_instead_of_reading_outside_the_cache(dtype, toleran
 
 
 def test_caches_the_kernel_cannot_take_keep_the_reference_path():
-    """fp16 caches, 16-dim heads, 8-token blocks and the switch turned off: the chunks take
-    the gather + SDPA path (whatever the CPU)."""
+    """fp16 caches, 16-dim heads, 8-token blocks and the table's prefill_attention on torch:
+    the chunks take the gather + SDPA path (whatever the CPU)."""
     assert "float16" in paged_prefill.unavailable_reason(torch.float16)
     for heads, dtype, block_size in (((9, 3, 64), torch.float16, 16),
                                      ((4, 2, 16), torch.bfloat16, 16),
@@ -177,13 +180,13 @@ def test_caches_the_kernel_cannot_take_keep_the_reference_path():
                                      ((9, 3, 64), torch.bfloat16, 8),
                                      ((9, 3, 64), torch.float32, 8)):
         batch = Batch(heads, dtype, block_size=block_size, num_blocks=40)
-        assert not paged_prefill.usable(batch.cache)
+        assert not paged_prefill.usable(batch.cache, default_kernels())
     batch = Batch((9, 3, 64), torch.bfloat16)
-    with paged_prefill.kernel_enabled(False):
-        assert not paged_prefill.usable(batch.cache)
-        meta = AttentionMetadata.build(_chunks(batch, [(10, 20)]), 16, "cpu")
-        paged_attention(*batch.qkv(20), batch.cache, meta, 0.125)
-        assert meta.prefill_kernel_lens is None and meta.prefill_masks is not None
+    off = choose_kernels({"prefill_attention": "torch"})
+    assert not paged_prefill.usable(batch.cache, off)
+    meta = AttentionMetadata.build(_chunks(batch, [(10, 20)]), 16, "cpu", kernels=off)
+    paged_attention(*batch.qkv(20), batch.cache, meta, 0.125)
+    assert meta.prefill_kernel_lens is None and meta.prefill_masks is not None
 
 
 @pytest.mark.parametrize("fixture", [pytest.param("bf16_llm", marks=needs_kernel),
@@ -192,7 +195,7 @@ def test_engine_prefills_run_in_the_kernel_and_decode_alike(fixture, request, mo
     """The default model in bf16 and in float32: prompts prefilled in the kernel (chunked
     and whole) give the same greedy tokens as the reference path."""
     from stallfree import SamplingParams
-    from stallfree.model import attention, layer_loop
+    from stallfree.model import attention
 
     llm = request.getfixturevalue(fixture)
     calls = []
@@ -203,10 +206,10 @@ def test_engine_prefills_run_in_the_kernel_and_decode_alike(fixture, request, mo
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # The Python layers call the wrapper counted here; the C++ layer loop calls the same op
     # behind it (test_layer_loop.py holds the two paths to the same bits).
-    with layer_loop.SWITCH.within(False):
+    with engine_kernels(llm, {"layer_loop": "python"}):
         fast = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls, "the engine's prefills did not run in the kernel"
     assert [o.token_ids for o in llm.generate(prompts, params)] == fast
-    with paged_prefill.kernel_enabled(False):
+    with engine_kernels(llm, {"prefill_attention": "torch"}):
         reference = [o.token_ids for o in llm.generate(prompts, params)]
     assert fast == reference

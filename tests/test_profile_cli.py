@@ -7,6 +7,7 @@ import torch
 
 from stallfree.cli import main as cli_main
 from stallfree.model import paged_decode
+from stallfree.model.kernel_table import default_kernels
 from stallfree.sim import profile_store as P
 from stallfree.sim.cost_model import BatchShape, ProfiledCostModel
 from stallfree.sim.hardware import CPU, MODELS
@@ -24,7 +25,7 @@ def test_quick_profile_feeds_the_cpu_cost_model(tmp_path):
     profile = P.load_attention(attention[0])
     # Decodes as the engine runs them: read in place by the kernel where it is built (cost
     # by mean context), else gathered and padded per length group; fp32 KV either way.
-    in_place = paged_decode.usable(torch.zeros(2, 1, 16, 3, 64))
+    in_place = paged_decode.usable(torch.zeros(2, 1, 16, 3, 64), default_kernels())
     assert profile.padded_decode is not in_place and profile.kv_dtype_bytes == 4
     cost = ProfiledCostModel(MODELS["smollm2-135m"], CPU, root=tmp_path)
     assert cost.slowdown == host["wall_per_cpu"]

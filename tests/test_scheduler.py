@@ -290,7 +290,7 @@ def test_chunk_must_lie_inside_the_request():
 # ---- the scheduler stays pure Python ---------------------------------------------
 _PURE_STALLFREE_MODULES = {"stallfree.request", "stallfree.sampling_params", "stallfree.config",
                            "stallfree.outputs", "stallfree.attention_plan",
-                           "stallfree.structured_outputs"}
+                           "stallfree.structured_outputs", "stallfree.kernel_ops"}
 
 
 def test_scheduler_imports_only_the_stdlib_and_pure_modules():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -29,12 +28,13 @@ import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ..env import WORKER_SECRET, WORKER_SECRET_FILE, worker_secret_text
+
 T = TypeVar("T")
 logger = logging.getLogger("stallfree.distributed")
 
 CHECK_EVERY_S = 0.5  # how often a waiting reader runs its liveness check
-SECRET_ENV = "STALLFREE_WORKER_SECRET"  # hex; or a file holding it:
-SECRET_FILE_ENV = "STALLFREE_WORKER_SECRET_FILE"
+SECRET_ENV, SECRET_FILE_ENV = WORKER_SECRET, WORKER_SECRET_FILE  # hex; or a file holding it
 _NONCE_BYTES = 12  # AES-GCM's; random per message (2**-32 collision odds at 2**32 messages)
 _TAG_BYTES = 16  # AES-GCM's authentication tag, at the end of the ciphertext
 
@@ -51,11 +51,7 @@ class MalformedMessage(RuntimeError):
 def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
     """The run's secret from $STALLFREE_WORKER_SECRET (hex) or the file named by
     $STALLFREE_WORKER_SECRET_FILE; None if neither is set."""
-    env = os.environ if env is None else env
-    text = env.get(SECRET_ENV)
-    if not text and env.get(SECRET_FILE_ENV):
-        with open(env[SECRET_FILE_ENV]) as f:
-            text = f.read()
+    text = worker_secret_text(env)
     if not text:
         return None
     try:

@@ -39,6 +39,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     pipeline_parallel_size: int
     seed: int
     num_threads: int | None  # CPU threads per worker; None leaves torch's default
+    # The engine's `kernels` setting (op -> implementation): every rank chooses alike.
+    kernels: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

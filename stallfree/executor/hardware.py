@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.kernels import vector_flags
+
+__all__ = ["Bf16Probe", "available_cores", "cpu_flags", "probe_cpu_bf16", "vector_flags"]
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # bf16 must beat float32 by this much to be worth its rounding.
 MIN_BF16_SPEEDUP = 1.2
@@ -30,12 +34,6 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def vector_flags() -> str:
-    """This CPU's vector and matrix flags (avx*, amx*, fma), sorted: what every benchmark
-    records beside its numbers, since they decide the dtype and the kernels' paths."""
-    return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
 
 
 def available_cores() -> int:

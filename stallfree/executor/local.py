@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 import torch
 
 from ..model.config import ModelConfig
+from ..model.kernel_table import KernelTable
 from ..model.llama import LlamaForCausalLM
 from ..scheduler.output import SchedulerOutput
 from .base import RunnerOutput
@@ -41,6 +43,18 @@ class LocalExecutor:
         self.runner = None  # drop the old KV cache before allocating the new one
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
                                   self.dtype, self.device, seed=self.seed)
+
+    @property
+    def kernels(self) -> KernelTable:
+        return self.model.kernels
+
+    def use_kernels(self, overrides: Mapping[str, str] | None) -> KernelTable:
+        """The model's table chosen again with these overrides (its weights repacked for it):
+        one loaded model on several paths, for side-by-side comparisons."""
+        self.model.prepack(overrides)
+        if self.runner is not None:
+            self.runner.sampler.kernels = self.model.kernels
+        return self.model.kernels
 
     def submit(self, output: SchedulerOutput) -> None:
         self._done.append(self.runner.execute(output))

@@ -46,7 +46,7 @@ class ModelRunner:
                                           device, self.shard)
         self.null_block = num_blocks
         self.workspace = GatherWorkspace()
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, model.kernels)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

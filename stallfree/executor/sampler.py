@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..model.kernels import KernelSwitch
+from ..model.kernel_table import KernelTable, ensure
 from ..outputs import TokenLogprobs
 from ..request import Request
-
-# The CPU kernel of csrc/argmax_rows.cpp for greedy rows: torch's CPU argmax took 0.5-1 ms of
-# a 32-row decode step (49K vocabulary, 2-core EPYC). STALLFREE_ARGMAX_KERNEL=0 keeps torch's.
-ARGMAX = KernelSwitch("STALLFREE_ARGMAX_KERNEL")
 
 # The largest temperature that divides as asked: float32 (the logits' type) holds no more,
 # and an infinite one turns every logit into 0 and a masked -inf into NaN, which the
@@ -25,8 +21,10 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, kernels: KernelTable | None = None) -> None:
+        """`kernels`: the model's table, whose argmax greedy rows take (None: the defaults)."""
         self.seed = seed
+        self.kernels = ensure(kernels)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -52,7 +50,7 @@ class Sampler:
                 _block_early_stop(logits[row], req)
         if bitmask_rows:
             _apply_bitmask(logits, requests, bitmask, bitmask_rows)
-        tokens = argmax_rows(logits)
+        tokens = argmax_rows(logits, self.kernels.argmax.kernel)
         # Chosen in Python: an all-greedy batch (the common one) then runs no tensor op
         # beyond the argmax, each ~10 us of a batch-1 step on the caches it finds cold.
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
@@ -91,10 +89,15 @@ class Sampler:
         return sample_inverse_cdf(probs, uniform)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) for [rows, vocab] logits, in the CPU kernel where it runs."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.is_contiguous() and ARGMAX.usable()):
+def argmax_rows(logits: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """logits.argmax(dim=-1) for [rows, vocab] logits; in the CPU kernel of
+    csrc/argmax_rows.cpp where `kernel` (the table's argmax; None: the default table's) and
+    the logits allow: torch's CPU argmax took 0.5-1 ms of a 32-row decode step (49K
+    vocabulary, 2-core EPYC)."""
+    if kernel is None:
+        kernel = ensure(None).argmax.kernel
+    if (kernel and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.shape[1] > 0 and logits.is_contiguous()):
         return torch.ops.stallfree.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

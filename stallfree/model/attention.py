@@ -6,8 +6,8 @@ p % block_size` of the flattened [num_blocks * block_size] view.
 
 On CPU, decodes run in the C++ kernel of paged_decode.py and prefill chunks in that of
 paged_prefill.py (a float32 cache, or a bfloat16 one on a CPU with AVX512_BF16), both reading
-the cache in place; elsewhere, or without the kernels, they gather their blocks and run SDPA
-(the reference).
+the cache in place; elsewhere, without the kernels, or where the kernel table says so
+(`AttentionMetadata.kernels`), they gather their blocks and run SDPA (the reference).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..attention_plan import attends_as_decode, decode_groups
 from . import paged_prefill as prefill_kernel
+from .kernel_table import KernelTable, ensure
 from .paged_decode import paged_decode, usable
 
 
@@ -100,6 +101,8 @@ class AttentionMetadata:
         default=None, repr=False)
     # Where gathers land; the runner passes one that lives as long as its KV cache.
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False)
+    # Which attention paths run: the model's table (its forward sets it); None, the defaults.
+    kernels: KernelTable | None = field(default=None, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -108,7 +111,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int,
               device: torch.device | str, workspace: GatherWorkspace | None = None,
-              pad_block: int = 0) -> AttentionMetadata:
+              pad_block: int = 0, kernels: KernelTable | None = None) -> AttentionMetadata:
         """seqs in batch-row order: (start_pos, num_new_tokens, block_table).
 
         start_pos is the number of tokens already cached. Entries with more than one
@@ -151,6 +154,7 @@ class AttentionMetadata:
             block_size=block_size,
             decode_lens=decode_lens,
             workspace=workspace or GatherWorkspace(),
+            kernels=kernels,
         )
         return meta
 
@@ -159,8 +163,9 @@ class AttentionMetadata:
         shape in every layer); idempotent, so the first layer's call does the work. The
         decode plan only where decodes take the torch path."""
         bs = self.block_size
+        kernels = self.kernels = ensure(self.kernels)
         if (self.prefill_kernel_lens is None and self.prefill_gather_blocks is None
-                and self.prefill_query_lens and prefill_kernel.usable(kv_cache)):
+                and self.prefill_query_lens and prefill_kernel.usable(kv_cache, kernels)):
             device = self.prefill_table.device
             self.prefill_kernel_lens = (
                 torch.tensor(self.prefill_query_lens, dtype=torch.int64, device=device),
@@ -181,7 +186,7 @@ class AttentionMetadata:
                 self.prefill_masks.append(torch.zeros(qlen, ctx, dtype=kv_cache.dtype,
                                                       device=table.device)
                                           .masked_fill_(~causal, float("-inf")))
-        if self.decode_plan is None and not usable(kv_cache):
+        if self.decode_plan is None and not usable(kv_cache, kernels):
             self.decode_plan = []
             lens = self.decode_lens
             groups = decode_groups(lens, bs, call_cap_bytes_per_token(kv_cache))
@@ -215,18 +220,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     meta.prepare(kv_cache)
 
-    row = meta.num_prefill_tokens
+    row, table = meta.num_prefill_tokens, meta.kernels
     if meta.prefill_kernel_lens is not None:
         outputs = [prefill_kernel.paged_prefill(
             q[:row].to(kv_cache.dtype), kv_cache, meta.prefill_table,
-            *meta.prefill_kernel_lens, scale).to(q.dtype)]
+            *meta.prefill_kernel_lens, scale,
+            tiles=table.prefill_attention.impl == "amx").to(q.dtype)]
     else:
         outputs = _sdpa_prefills(q, k, v, kv_cache, meta, scale)
 
     num_decodes = q.shape[0] - row
-    if num_decodes > 0 and usable(kv_cache):
+    if num_decodes > 0 and usable(kv_cache, table):
         outputs.append(paged_decode(q[row:], kv_cache, meta.decode_block_tables,
-                                    meta.decode_context_lens, scale))
+                                    meta.decode_context_lens, scale,
+                                    tiles=table.decode_attention.impl == "amx"))
     elif num_decodes > 0:
         qd, plan, ws = q[row:], meta.decode_plan, meta.workspace
         if len(plan) == 1:

@@ -1,5 +1,5 @@
-"""The CPU kernels (csrc/*.cpp, one library): where their build lives, loading it, and a
-switch per kernel.
+"""The CPU kernels (csrc/*.cpp, one library): where their build lives, loading it, and what
+this CPU lets them run (which of them run is the kernel table's choice, kernel_table.py).
 
 `make` builds the library into `.build/` at the repository root (`python -m
 stallfree.model.kernel_build`; STALLFREE_BUILD_DIR moves it). Its name carries a hash of
@@ -14,13 +14,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .. import env
 
 logger = logging.getLogger("stallfree.model")
 
@@ -29,14 +28,14 @@ HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))
 # -O3 and the host's vector width: the kernels are plain loops and GCC vector types.
 # STALLFREE_KERNEL_MARCH builds for another target (x86-64-v3: the AVX2-only machines'
 # code, run on a wider CPU to check it); it is in the build tag with the other flags.
-MARCH = os.environ.get("STALLFREE_KERNEL_MARCH", "native")
+MARCH = env.kernel_march()
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp", "-g0")
 LIBRARY_NAME = "kernels"
 
 
 def build_dir() -> Path:
     default = Path(__file__).resolve().parents[2] / ".build"
-    return Path(os.environ.get("STALLFREE_BUILD_DIR", default))
+    return env.build_dir(default)
 
 
 def _cpu_flags() -> str:
@@ -138,22 +137,24 @@ def amx_unavailable_reason() -> str | None:
     return None
 
 
-class KernelSwitch:
-    """Whether one kernel is used where it could be: on unless its environment variable is
-    "0"; `within(False)` runs the reference path inside a block (comparisons, benchmarks)."""
+@functools.cache
+def onednn_bf16_unavailable_reason() -> str | None:
+    """Why oneDNN cannot take bf16 weights here (None: it can). AVX2-only CPUs lack what
+    its bf16 path needs, and a prepack there raises."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    try:
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        supported = False
+    if not supported:
+        return ("oneDNN's bf16 path needs avx512bw, avx512vl and avx512dq, or avx_ne_convert: "
+                "this CPU (or ONEDNN_MAX_CPU_ISA) has neither")
+    return None
 
-    def __init__(self, env_var: str, needs_library: bool = True) -> None:
-        self.env_var = env_var
-        self.enabled = os.environ.get(env_var, "1") != "0"
-        self.needs_library = needs_library
 
-    def usable(self) -> bool:
-        return self.enabled and (not self.needs_library or LIBRARY.load())
-
-    @contextmanager
-    def within(self, enabled: bool) -> Iterator[None]:
-        previous, self.enabled = self.enabled, enabled
-        try:
-            yield
-        finally:
-            self.enabled = previous
+def vector_flags() -> str:
+    """This CPU's vector and matrix flags (avx*, amx*, fma), sorted: what decides the
+    kernels' paths, and what every benchmark records beside its numbers."""
+    return " ".join(sorted({f for f in _cpu_flags().split()
+                            if f.startswith(("avx", "amx", "fma"))}))

@@ -6,8 +6,8 @@ attention in its kernels), the Python between those calls is all that is left to
 a one-row decode step it cost a fifth of the step (docs/benchmarks.md, "The layer loop in
 C++"). The C++ loop calls the same kernels in the same order, so its results are the Python
 path's to the bit; the tests hold it to that. Anything else (tensor parallelism, biases,
-other dtypes, a switch off, a batch a kernel does not take) takes the Python loop, which
-stays the reference. STALLFREE_LAYER_LOOP=0 turns it off.
+other dtypes, the kernel table's layer_loop or another op on its reference path, a batch a
+kernel does not take) takes the Python loop, which stays the reference.
 """
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from torch import nn
 from . import layers as fused
 from . import linear, paged_decode
 from .attention import AttentionMetadata
-from .kernels import KernelSwitch
+from .kernel_table import KernelTable
 from .parallel import Shard
 
-SWITCH = KernelSwitch("STALLFREE_LAYER_LOOP")
 WEIGHTS_PER_LAYER = 6  # csrc/layer_loop.cpp's kWeightsPerLayer
 
 
@@ -33,8 +32,11 @@ def _linears(layer: nn.Module) -> dict[str, linear.Linear]:
             "down_proj": mlp.down_proj}
 
 
-def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
+def _unfit_reason(layers: Sequence[nn.Module], shard: Shard,
+                  kernels: KernelTable) -> str | None:
     """Why these layers cannot run in the C++ loop whatever the batch (None: they can)."""
+    if not kernels.layer_loop.kernel:
+        return kernels.layer_loop.reason
     if not layers:
         return "no decoder layers on this stage"
     if shard.tp_size > 1:
@@ -57,6 +59,7 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard) -> str | None:
 @dataclass(frozen=True)
 class LayerLoop:
     weights: list[torch.Tensor]  # per layer: norm, qkv, o, norm, gate/up, down (packed)
+    kernels: KernelTable  # the model's: it packed the weights, and picks the attention
     heads: int
     kv_heads: int
     gate_up_features: int
@@ -67,11 +70,11 @@ class LayerLoop:
     final_norm: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, layers: Sequence[nn.Module], shard: Shard,
+    def build(cls, layers: Sequence[nn.Module], shard: Shard, kernels: KernelTable,
               final_norm: nn.Module | None = None) -> tuple[LayerLoop | None, str | None]:
-        """(the loop over `layers`, None) once their weights are packed, else (None, why).
-        `final_norm`: the RMSNorm after the last layer, if this stage has it."""
-        reason = _unfit_reason(layers, shard)
+        """(the loop over `layers`, None) once their weights are packed for `kernels`, else
+        (None, why). `final_norm`: the RMSNorm after the last layer, if this stage has it."""
+        reason = _unfit_reason(layers, shard, kernels)
         if reason is not None:
             return None, reason
         weights = []
@@ -84,27 +87,38 @@ class LayerLoop:
         norm = (final_norm.weight if final_norm is not None and final_norm.eps == eps
                 and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype
                 else None)
-        return cls(weights, attn.num_heads, attn.num_kv_heads,
+        return cls(weights, kernels, attn.num_heads, attn.num_kv_heads,
                    layers[0].mlp.gate_up_proj.out_features, eps, attn.scale, norm), None
 
     def fits(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether this batch takes the C++ loop: each call there is the kernel the Python
-        path would choose for it (after `meta.prepare`)."""
-        if not (SWITCH.usable() and fused.FUSED.usable() and x.device.type == "cpu"
-                and x.dtype == self.weights[1].dtype and x.dim() == 2 and x.is_contiguous()
-                and self._matmuls_run(x.shape[0]) and fused.cache_fits_rope(kv_cache, x.dtype)
+        path would choose for it (after `meta.prepare`). The table chose the kernels for
+        every op of a layer (`build`); what is left are the batch's own facts."""
+        if not (x.device.type == "cpu" and x.dtype == self.weights[1].dtype and x.dim() == 2
+                and x.is_contiguous() and self._matmuls_run(x.shape[0])
+                and fused.cache_fits_rope(kv_cache, x.dtype)
                 and kv_cache.shape[0] * WEIGHTS_PER_LAYER == len(self.weights)):
             return False
         decodes = x.shape[0] > meta.num_prefill_tokens
-        if decodes and not paged_decode.usable(kv_cache[0]):
+        if decodes and not paged_decode.usable(kv_cache[0], self.kernels):
             return False
-        return meta.num_prefill_tokens == 0 or meta.prefill_kernel_lens is not None
+        return ((meta.num_prefill_tokens == 0 or meta.prefill_kernel_lens is not None)
+                and self._tiles(x, meta) is not None)
+
+    def _tiles(self, x: torch.Tensor, meta: AttentionMetadata) -> bool | None:
+        """Whether the batch's attention takes AMX tiles (one flag for the call's decodes
+        and chunks); None where the table asks for tiles in one and not the other."""
+        wants = set()
+        if meta.num_prefill_tokens:
+            wants.add(self.kernels.prefill_attention.impl == "amx")
+        if x.shape[0] > meta.num_prefill_tokens:
+            wants.add(self.kernels.decode_attention.impl == "amx")
+        return None if len(wants) > 1 else bool(wants and wants.pop())
 
     def _matmuls_run(self, rows: int) -> bool:
         """Whether linear.py would run these packings' matmuls of `rows` rows in the kernel."""
-        if self.weights[1].dtype == torch.float32:
-            return linear.F32.enabled
-        return linear.runs_packed(rows)
+        return (self.weights[1].dtype == torch.float32
+                or linear.runs_packed(rows, self.kernels))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata,
@@ -119,4 +133,4 @@ class LayerLoop:
             x, self.weights, kv_cache, cos.reshape(t, -1), sin.reshape(t, -1),
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, prefill,
             meta.num_prefill_tokens, self.heads, self.kv_heads, self.gate_up_features,
-            self.eps, self.scale, paged_decode.TILES.enabled, self.final_norm)
+            self.eps, self.scale, self._tiles(x, meta), self.final_norm)

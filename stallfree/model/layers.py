@@ -8,18 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelSwitch
+from .kernel_table import Choice, KernelTable, ensure
 from .linear import GatedLinear, Linear
 
-# The CPU kernel of csrc/fused_ops.cpp: residual add + RMSNorm in one pass, for what the
-# torch path below does in 8-10 small ops (whose dispatch, not arithmetic, is a decode
-# step's cost there). STALLFREE_FUSED_OPS=0 keeps the torch path, the reference.
-FUSED = KernelSwitch("STALLFREE_FUSED_OPS")
+# The CPU kernels of csrc/fused_ops.cpp (residual add + RMSNorm in one pass) and
+# csrc/rope_cache.cpp, for what the torch paths below do in 6-10 small ops (whose dispatch,
+# not arithmetic, is a decode step's cost there): the kernel table's norm and rope_cache.
 
 
-def _fused(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
-            and x.dtype in (torch.float32, torch.bfloat16) and FUSED.usable())
+def _fused(x: torch.Tensor, choice: Choice) -> bool:
+    return (choice.kernel and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16))
 
 
 def cache_fits_rope(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -30,13 +29,14 @@ def cache_fits_rope(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int,
-                   kv_heads: int) -> bool:
+                   kv_heads: int, kernels: KernelTable | None = None) -> bool:
     """RoPE on the q and k heads of qkv [T, (heads + 2 kv_heads) D] in place and the k and
     v heads written to their cache slots, in the kernel of csrc/rope_cache.cpp (one pass
     for what apply_rope and two index_copy_ do in six ops); False, with nothing done,
     where it does not apply: the caller then takes the torch path."""
     t = qkv.shape[0]
-    if not (_fused(qkv) and cache_fits_rope(kv_cache, qkv.dtype) and cos.dtype == qkv.dtype):
+    if not (_fused(qkv, ensure(kernels).rope_cache) and cache_fits_rope(kv_cache, qkv.dtype)
+            and cos.dtype == qkv.dtype):
         return False
     torch.ops.stallfree.rope_cache(qkv, cos.reshape(t, -1), signed_sin.reshape(t, -1),
                                    kv_cache, slot_mapping, heads, kv_heads)
@@ -44,13 +44,16 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
 
 
 class RMSNorm(nn.Module):
+    # The model's table (None: `default_kernels`); set at load (LlamaForCausalLM.prepack).
+    kernels: KernelTable | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):
+        if _fused(x, ensure(self.kernels).norm):
             return torch.ops.stallfree.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 like the reference, so bf16 runs do not lose precision in
         # the variance; the weight multiply happens in the input dtype.
@@ -62,7 +65,7 @@ class RMSNorm(nn.Module):
                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), the sum rounded to the dtype as a plain add
         is; `residual` may be overwritten with the sum."""
-        if _fused(x) and residual.is_contiguous():
+        if _fused(x, ensure(self.kernels).norm) and residual.is_contiguous():
             return torch.ops.stallfree.add_rms_norm(x, residual, self.weight, self.eps), residual
         total = x + residual
         return self(total), total

@@ -16,9 +16,9 @@ layout (`pack_weight`): F.linear on a plain bf16 weight reorders it on every cal
 float32 weights (rows in 16s) are packed for csrc/f32_linear.cpp, which runs their
 matmuls: on a 2-core EPYC it took 0.37-0.5x F.linear's time at 1-8 rows and 0.74-0.85x at
 512, in AVX-512 and AVX2 builds (docs/benchmarks.md: "float32 matmuls in a CPU kernel").
-Everything else goes to F.linear, the reference. STALLFREE_AMX_LINEAR=0 (the tile
-packing's kernel, tiles or vectors), STALLFREE_F32_LINEAR=0, STALLFREE_SKINNY_LINEAR=0 and
-STALLFREE_PACKED_LINEAR=0 turn each path off.
+Everything else goes to F.linear, the reference. Which of these paths runs is the kernel
+table's choice (kernel_table.py: matmul_bf16, matmul_bf16_few_rows, matmul_f32), made at
+load: the weights are packed for it.
 """
 from __future__ import annotations
 
@@ -29,16 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelSwitch, amx_unavailable_reason, bf16_vectors_unavailable_reason
+from .kernel_table import PAIR_KERNEL, KernelTable, ensure
+from .kernels import (
+    amx_unavailable_reason,
+    bf16_vectors_unavailable_reason,
+    onednn_bf16_unavailable_reason,
+)
 from .packing import BLOCK, PackedWeight, gate_up_alternating
+
+__all__ = ["AMX_MAX_ROWS", "SKINNY_MAX_TOKENS", "GatedLinear", "Linear", "PackedWeight",
+           "gated_linear", "linear", "onednn_bf16_unavailable_reason", "pack_weight",
+           "pair_kernel_max_rows", "pair_kernel_unavailable_reason", "repack", "silu_mul"]
 
 # Measured crossover on a 2-core AVX-512 CPU (model shapes, weights read cold): the kernel
 # takes 0.57-0.65x torch's time at 1-4 rows and breaks even at 8.
 SKINNY_MAX_TOKENS = 4
-SWITCH = KernelSwitch("STALLFREE_SKINNY_LINEAR")
-PACKED = KernelSwitch("STALLFREE_PACKED_LINEAR", needs_library=False)
-AMX = KernelSwitch("STALLFREE_AMX_LINEAR")
-F32 = KernelSwitch("STALLFREE_F32_LINEAR")
 # Measured on a 2-core AMX CPU (model shapes, 30 layers' weights): the AMX kernel takes
 # 0.7-0.95x oneDNN's time at 1-512 rows and 1.2-1.35x at 2048, where oneDNN's blocking
 # reuses x better; torch's matmul (which reorders the plain weight) takes those. In vectors
@@ -66,15 +71,10 @@ def pair_kernel_max_rows() -> int:
     return AMX_MAX_ROWS if amx_unavailable_reason() is None else sys.maxsize
 
 
-def runs_packed(rows: int) -> bool:
+def runs_packed(rows: int, kernels: KernelTable) -> bool:
     """Whether a matmul of `rows` rows runs in the tile packing's kernel (its weight packed
-    for it): the switch on and the row count within pair_kernel_max_rows."""
-    return rows <= pair_kernel_max_rows() and AMX.enabled
-
-
-def amx_available() -> bool:
-    """Whether weights are packed for that kernel (its switch on, and it can run)."""
-    return AMX.usable() and pair_kernel_unavailable_reason() is None
+    for it): the table's choice, and the row count within pair_kernel_max_rows."""
+    return kernels.matmul_bf16.impl in PAIR_KERNEL and rows <= pair_kernel_max_rows()
 
 
 def _amx_shape(weight: torch.Tensor) -> bool:
@@ -82,7 +82,7 @@ def _amx_shape(weight: torch.Tensor) -> bool:
 
 
 def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
-    if weight.shape[0] % BLOCK or not F32.usable():
+    if weight.shape[0] % BLOCK:
         return None
     if gated and weight.shape[0] % (2 * BLOCK) == 0:  # else halves not in whole blocks: plain
         return PackedWeight(torch.ops.stallfree.f32_pack(gate_up_alternating(weight)),
@@ -90,42 +90,32 @@ def _pack_f32(weight: torch.Tensor, gated: bool) -> PackedWeight | None:
     return PackedWeight(torch.ops.stallfree.f32_pack(weight), "f32", tuple(weight.shape))
 
 
-@functools.cache
-def onednn_bf16_unavailable_reason() -> str | None:
-    """Why oneDNN cannot take bf16 weights here (None: it can). AVX2-only CPUs lack what
-    its bf16 path needs, and a prepack there raises."""
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
-    try:
-        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):  # a torch build without the op
-        supported = False
-    if not supported:
-        return ("oneDNN's bf16 path needs avx512bw, avx512vl and avx512dq, or avx_ne_convert: "
-                "this CPU (or ONEDNN_MAX_CPU_ISA) has neither")
-    return None
-
-
-def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
-    """`weight` [out, in] reordered for a kernel: a bf16 one for the AMX kernel where it can
-    run, else for oneDNN's matmul; a float32 one for the float32 kernel. None where none
-    is used (another dtype or device, no kernel available, or its switch off). `repack`
+def pack_weight(weight: torch.Tensor, gated: bool = False,
+                kernels: KernelTable | None = None) -> PackedWeight | None:
+    """`weight` [out, in] reordered for the kernel the table (default: `default_kernels`)
+    chose: a bf16 one for the tile packing's kernel where its shape fits, else for oneDNN's
+    matmul where oneDNN takes bf16; a float32 one for the float32 kernel. None where none
+    is used (another dtype or device, or the table chose torch). `repack`
     drops the plain weight where the packing serves every call; else the copy costs the
     weight's size again in memory (built after loading, so KV sizing sees it). `gated`: the
     weight is [gate; up] (`gated_linear`), packed with its gate and up blocks of 16 rows
     alternating."""
+    kernels = ensure(kernels)
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.dtype == torch.float32:
-        return _pack_f32(weight, gated)
-    if weight.dtype != torch.bfloat16:
+        return _pack_f32(weight, gated) if kernels.matmul_f32.kernel else None
+    impl = kernels.matmul_bf16.impl
+    if weight.dtype != torch.bfloat16 or impl == "torch":
         return None
-    if gated and weight.shape[0] % 64 == 0 and _amx_shape(weight) and amx_available():
+    pairs = impl in PAIR_KERNEL and _amx_shape(weight)
+    if pairs and gated and weight.shape[0] % 64 == 0:
         return PackedWeight(torch.ops.stallfree.amx_pack(gate_up_alternating(weight)),
                             "amx_gated", tuple(weight.shape))
-    if _amx_shape(weight) and amx_available():
+    if pairs:
         return PackedWeight(torch.ops.stallfree.amx_pack(weight), "amx", tuple(weight.shape))
-    if not PACKED.usable() or onednn_bf16_unavailable_reason() is not None:
+    # oneDNN: the choice, or the tile kernel's fallback for shapes it cannot take.
+    if onednn_bf16_unavailable_reason() is not None:
         return None
     try:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
@@ -156,41 +146,45 @@ def plain_weight(weight: torch.Tensor | None, packed: PackedWeight | None) -> to
     return packed.unpack()
 
 
-def repack(module: nn.Module, previous: PackedWeight | None,
-           gated: bool = False) -> PackedWeight | None:
+def repack(module: nn.Module, previous: PackedWeight | None, gated: bool = False,
+           kernels: KernelTable | None = None) -> PackedWeight | None:
     """`module.weight` packed (`pack_weight`; read back from `previous` where an earlier call
     dropped it). The plain weight is kept only where the packing does not serve every call;
     else `module.weight` becomes None: one copy of the weights in memory, not two, and any
     torch op handed the dropped weight fails instead of reading nothing."""
     plain = plain_weight(module.weight, previous)
-    packed = pack_weight(plain, gated)
+    packed = pack_weight(plain, gated, kernels)
     module.weight = (None if serves_every_call(packed)
                      else nn.Parameter(plain, requires_grad=False))
     return packed
 
 
-def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] <= SKINNY_MAX_TOKENS and x.device.type == "cpu"
+def runs_in_kernel(x: torch.Tensor, weight: torch.Tensor, kernels: KernelTable) -> bool:
+    return (kernels.matmul_bf16_few_rows.kernel and x.dim() == 2
+            and x.shape[0] <= SKINNY_MAX_TOKENS and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and weight.is_contiguous() and SWITCH.usable())
+            and weight.is_contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [T, in], in a kernel or from `packed` (the
-    `pack_weight` of `weight`) where either pays. `weight` None: dropped by `repack`."""
+           packed: PackedWeight | None = None,
+           kernels: KernelTable | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [T, in], in the kernel the table (default:
+    `default_kernels`) chose or from `packed` (the `pack_weight` of `weight`) where either
+    pays. `weight` None: dropped by `repack`."""
+    kernels = ensure(kernels)
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
-    if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0]):
+    if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0], kernels):
         out = torch.ops.stallfree.amx_linear(x, packed.data, packed.shape[0])
-    elif packed_fits and packed.layout == "f32" and F32.enabled:
+    elif packed_fits and packed.layout == "f32" and kernels.matmul_f32.kernel:
         out = torch.ops.stallfree.f32_linear(x, packed.data, packed.shape[0])
     else:
         weight = plain_weight(weight, packed)
-        out = (torch.ops.stallfree.skinny_linear(x, weight) if runs_in_kernel(x, weight)
-               else None)
+        out = (torch.ops.stallfree.skinny_linear(x, weight)
+               if runs_in_kernel(x, weight, kernels) else None)
     if out is not None:  # the kernels take no bias
         return out if bias is None else out + bias
-    if packed_fits and packed.layout == "onednn" and PACKED.enabled:
+    if packed_fits and packed.layout == "onednn" and kernels.matmul_bf16.kernel:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none",
                                                   [], "")
     return F.linear(x, weight, bias)
@@ -203,27 +197,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fuses_gate(packed: PackedWeight | None, rows: int) -> bool:
+def fuses_gate(packed: PackedWeight | None, rows: int, kernels: KernelTable) -> bool:
     """Whether `gated_linear` runs x of `rows` rows in a kernel's fused form."""
     if packed is None:
         return False
-    return (packed.layout == "amx_gated" and runs_packed(rows)
-            or packed.layout == "f32_gated" and F32.enabled)
+    return (packed.layout == "amx_gated" and runs_packed(rows, kernels)
+            or packed.layout == "f32_gated" and kernels.matmul_f32.kernel)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor | None,
-                 packed: PackedWeight | None = None) -> torch.Tensor:
+                 packed: PackedWeight | None = None,
+                 kernels: KernelTable | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] [2I, in]. From a gated packing,
     in one AMX pass that never stores the [T, 2I] products: at a 512-token chunk those
     and the two torch ops reading them back cost as much as the matmul's arithmetic."""
-    if (x.dim() == 2 and fuses_gate(packed, x.shape[0])
+    kernels = ensure(kernels)
+    if (x.dim() == 2 and fuses_gate(packed, x.shape[0], kernels)
             and x.dtype == packed.data.dtype):
         fused = (torch.ops.stallfree.f32_linear_silu_mul if packed.layout == "f32_gated"
                  else torch.ops.stallfree.amx_linear_silu_mul)
         return fused(x, packed.data, packed.shape[0])
     if packed is not None and packed.layout.endswith("_gated"):
-        return silu_mul(linear(x, plain_weight(weight, packed)))
-    return silu_mul(linear(x, weight, None, packed))
+        return silu_mul(linear(x, plain_weight(weight, packed), kernels=kernels))
+    return silu_mul(linear(x, weight, None, packed, kernels))
 
 
 class Linear(nn.Linear):
@@ -234,14 +230,17 @@ class Linear(nn.Linear):
     # Not a parameter or buffer: checkpoints and module moves never see it. `prepack`
     # sets it once the weight holds its final values.
     packed: PackedWeight | None = None
+    # The table the weight was packed for (None: `default_kernels`); set by `prepack`.
+    kernels: KernelTable | None = None
 
     gated = False  # the weight is [gate; up] (GatedLinear)
 
-    def prepack(self) -> None:
-        self.packed = repack(self, self.packed, self.gated)
+    def prepack(self, kernels: KernelTable | None = None) -> None:
+        self.kernels = ensure(kernels)
+        self.packed = repack(self, self.packed, self.gated, self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.kernels)
 
 
 class GatedLinear(Linear):
@@ -251,4 +250,4 @@ class GatedLinear(Linear):
     gated = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_linear(x, self.weight, self.packed)
+        return gated_linear(x, self.weight, self.packed, self.kernels)

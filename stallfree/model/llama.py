@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
+from ..kernel_ops import check_kernels
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .kernel_table import Choice, KernelTable, choose_kernels
 from .layer_loop import LayerLoop
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear, PackedWeight, linear, repack
@@ -26,6 +28,8 @@ def local_heads(config: ModelConfig, shard: Shard) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
+    kernels: KernelTable | None = None  # the model's; set by LlamaForCausalLM.prepack
+
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.shard = shard
@@ -44,7 +48,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         cached = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
-                                self.num_kv_heads)
+                                self.num_kv_heads, self.kernels)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         if not cached:  # the torch path: q and k heads rotated together, in one pass
@@ -117,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] flat over the batch; `hidden` replaces the embedding
         on later pipeline stages. Returns hidden states [T, hidden] (normed on the last)."""
+        attn_metadata.kernels = self.kernels  # the table the weights were packed for
         attn_metadata.prepare(kv_cache[0])
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         # One RoPE lookup per forward, shared by all layers.
@@ -148,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
-            logits = linear(hidden, self.model.embed_tokens.weight, packed=self.logits_packed)
+            logits = linear(hidden, self.model.embed_tokens.weight, packed=self.logits_packed,
+                            kernels=self.kernels)
         return self.shard.gather_vocab(logits.float(), self.config.vocab_size)
 
     # The tied embedding's packing (linear.repack); lm_head, a Linear, holds its own.
@@ -156,31 +162,46 @@ class LlamaForCausalLM(nn.Module):
     # The layers in one C++ call where their weights allow it (layer_loop.py); set by prepack.
     layer_loop: LayerLoop | None = None
     layer_loop_reason: str | None = "weights not prepacked"
+    # Which implementation runs each op (kernel_table.py), and the overrides it was chosen
+    # with; set by prepack.
+    kernels: KernelTable | None = None
+    kernel_overrides: dict[str, str] = {}
 
-    def prepack(self) -> None:
-        """Reorder matmul weights for the CPU's matmul library; once their values are final."""
+    def _dtype_and_device(self) -> tuple[torch.dtype, torch.device]:
+        # A pipeline stage may hold no weight at all; it computes nothing then.
+        param = next(self.parameters(), None)
+        return ((param.dtype, param.device) if param is not None
+                else (torch.float32, torch.device("cpu")))
+
+    def prepack(self, overrides: Mapping[str, str] | str | None = None) -> None:
+        """Choose each op's implementation for this model (the kernel table, with the
+        `kernels` setting's `overrides`) and reorder the matmul weights for it; once their
+        values are final. Called again, it repacks for the new table."""
+        dtype, device = self._dtype_and_device()
+        self.kernel_overrides = check_kernels(overrides)
+        kernels = choose_kernels(overrides, dtype=dtype, device_type=device.type,
+                                 tp_size=self.shard.tp_size, head_dim=self.config.head_dim)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.prepack(kernels)
+            elif isinstance(module, (RMSNorm, LlamaAttention)):
+                module.kernels = kernels
         embed = self.model.embed_tokens
         if self.logits_from_embedding:
-            self.logits_packed = repack(embed, self.logits_packed)
+            self.logits_packed = repack(embed, self.logits_packed, kernels=kernels)
             # Where the plain matrix went, the embedding's lookups read the packing.
             embed.packed = self.logits_packed if embed.weight is None else None
         layouts = sorted({p.layout for *_, p in self._packings()})
         if layouts:
             held = self.held_bytes()
             logger.info("matmul weights prepacked for %s: %.0f MB, beside %.0f MB of plain "
-                        "matrices kept (STALLFREE_AMX_LINEAR=0 / _F32_LINEAR=0 / "
-                        "_PACKED_LINEAR=0 turn it off)", "+".join(layouts),
-                        held["packings"] / 1e6, held["plain beside packings"] / 1e6)
-        self.layer_loop, self.layer_loop_reason = LayerLoop.build(self.model.layers, self.shard,
-                                                                  self.model.norm)
-        if self.layer_loop is not None:
-            logger.info("decoder layers run in one C++ call where a batch allows it "
-                        "(STALLFREE_LAYER_LOOP=0 turns it off)")
-        else:
-            logger.info("decoder layers loop in Python: %s", self.layer_loop_reason)
+                        "matrices kept", "+".join(layouts), held["packings"] / 1e6,
+                        held["plain beside packings"] / 1e6)
+        self.layer_loop, self.layer_loop_reason = LayerLoop.build(
+            self.model.layers, self.shard, kernels, self.model.norm)
+        if self.layer_loop is None and kernels.layer_loop.kernel:  # the weights refused it
+            kernels = kernels.with_choice("layer_loop", Choice("python", self.layer_loop_reason))
+        self.kernels = kernels
 
     def _packings(self) -> Iterator[tuple[str, nn.Module, PackedWeight]]:
         """(weight name, its module, packing) of every packed matrix: the Linears', and the

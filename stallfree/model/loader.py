@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -35,14 +36,17 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
-               shard: Shard | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               shard: Shard | None = None, kernels: Mapping[str, str] | None = None
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a GGUF file or HF directory (None: the default model) onto `device` in `dtype`;
-    with a `shard`, only that rank's part of the weights is read."""
+    with a `shard`, only that rank's part of the weights is read. `kernels`: the kernel
+    table's overrides (op -> implementation, kernel_ops.py); the model's choices are in
+    `model.kernels`."""
     path, is_dir = _resolve(path)
     device, shard = torch.device(device), shard or Shard()
     load = _load_hf_dir if is_dir else _load_gguf
     model, config = load(path, dtype, device, shard)
-    model.prepack()
+    model.prepack(kernels)
     return model, config
 
 

@@ -6,34 +6,28 @@ table and skipping the keys its causal mask hides. Over a bfloat16 cache its pro
 AMX tiles where the CPU has AMX, else in AVX512_BF16 vectors (which it then needs); over a
 float32 cache, in float vectors of the build's width, on any CPU the kernels build for. It
 needs head_dim % 32 == 0 and block_size % 16 == 0; elsewhere (other dtypes and shapes, or
-no kernels) attention.py runs the chunks in SDPA, which stays the reference.
-STALLFREE_PAGED_PREFILL=0 turns it off; STALLFREE_AMX_ATTENTION=0 keeps its vector path on
-an AMX CPU.
+no kernels) attention.py runs the chunks in SDPA, which stays the reference. The kernel
+table's prefill_attention says which (kernel_table.py).
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import kernels
-from .kernels import KernelSwitch, bf16_vectors_unavailable_reason
-from .paged_decode import TILES
+from .kernels import bf16_vectors_unavailable_reason
 
-SWITCH = KernelSwitch("STALLFREE_PAGED_PREFILL")
-
-
-def kernel_enabled(enabled: bool) -> AbstractContextManager[None]:
-    """Prefill attention in the kernel (True, where usable) or SDPA (False) inside the block."""
-    return SWITCH.within(enabled)
+if TYPE_CHECKING:
+    from .kernel_table import KernelTable
 
 
-def usable(kv_cache: torch.Tensor) -> bool:
+def usable(kv_cache: torch.Tensor, table: KernelTable) -> bool:
     """Whether prefill chunks over this layer's cache [2, blocks, block_size, Hkv, D] run in
     the kernel."""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
-            and kv_cache.shape[-1] % 32 == 0 and kv_cache.shape[2] % 16 == 0
-            and SWITCH.usable() and unavailable_reason(kv_cache.dtype) is None)
+    return (table.prefill_attention.kernel and kv_cache.device.type == "cpu"
+            and kv_cache.dtype in DTYPES and kv_cache.shape[-1] % 32 == 0
+            and kv_cache.shape[2] % 16 == 0 and unavailable_reason(kv_cache.dtype) is None)
 
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -52,12 +46,11 @@ def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_lens: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float, tiles: bool | None = None) -> torch.Tensor:
+                  scale: float, tiles: bool = True) -> torch.Tensor:
     """Chunk i's query_lens[i] rows of q [T, Hq, D] (in chunk order) against its first
     context_lens[i] keys through block_tables[i] [chunks, max_blocks] (int64), causally: its
     queries are the last query_lens[i] of those positions; q and the cache share a dtype
     (bfloat16 or float32). Returns [T, Hq, D] in that dtype.
-    `tiles`: the products in AMX tiles where the CPU has them (default: the switch)."""
+    `tiles`: the products in AMX tiles where the CPU has them."""
     return torch.ops.stallfree.paged_prefill(q, kv_cache, block_tables, query_lens,
-                                             context_lens, scale,
-                                             TILES.enabled if tiles is None else tiles)
+                                             context_lens, scale, tiles)

@@ -11,6 +11,7 @@ import torch
 
 from ..model import paged_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from ..model.kernel_table import default_kernels
 from ..sim.profile_csv import stat_columns, time_stats
 from .timing import cpu_ms_interleaved
 
@@ -40,7 +41,7 @@ def profile_attention(cfg: Any, grid: dict[str, Any], dev: torch.device,
                  for b, c, k in cases)
     cache = torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
                         device=dev)
-    backend = IN_PLACE if paged_decode.usable(cache) else GATHER
+    backend = IN_PLACE if paged_decode.usable(cache, default_kernels()) else GATHER
     workspace = GatherWorkspace()  # one for every case, as the engine's layers share one
     calls = {(b, c, k): (partial(_attention_call, cfg, b, c, k, cache, layers, size, workspace),
                          grid["repeats"] * max(1, CALLS_TOKENS // (b * (c + k))))

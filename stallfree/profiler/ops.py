@@ -44,7 +44,8 @@ def profile_ops(model: Any, cfg: Any, grid: dict[str, Any]) -> list[dict[str, An
         for op in OPS:
             if op == "lm_head" and t > LM_HEAD_MAX_ROWS:  # blank: the reader scales up
                 rows[t] |= {k: "" for k in stat_columns(op, time_stats([0.0]))}
-            elif op == "mlp_act" and fuses_gate(layer.mlp.gate_up_proj.packed, t):
+            elif op == "mlp_act" and fuses_gate(layer.mlp.gate_up_proj.packed, t,
+                                                      model.kernels):
                 rows[t] |= stat_columns(op, time_stats([0.0]))
             else:
                 calls[(t, op)] = (partial(_op_call, model, cfg, t, op),
