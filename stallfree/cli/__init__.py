@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import bench, convert, generate, profile, serve, simulate, worker
+from . import bench, convert, generate, info, profile, serve, simulate, worker
 from .args import add_engine_args, add_setting_args, engine_config_from_args, engine_kwargs
 
 __all__ = ["add_engine_args", "add_setting_args", "build_parser", "engine_config_from_args",
@@ -18,7 +18,7 @@ __all__ = ["add_engine_args", "add_setting_args", "build_parser", "engine_config
 
 # In the order `stallfree --help` lists them.
 COMMANDS = {"serve": serve, "generate": generate, "worker": worker, "bench": bench,
-            "convert": convert, "simulate": simulate, "profile": profile}
+            "convert": convert, "simulate": simulate, "profile": profile, "info": info}
 
 
 def build_parser() -> argparse.ArgumentParser:

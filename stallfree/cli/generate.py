@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
                 "scheduling_delay": (out.first_scheduled_time - out.arrival_time
                                      if out.first_scheduled_time else None),
                 "dtype": info.dtype, "dtype_reason": info.dtype_reason,
-                "huge_pages": info.huge_pages}))
+                "huge_pages": info.huge_pages,
+                "kernels": {op: impl for op, impl, _ in info.kernels}}))
         else:
             print(f"--- {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens, "
                   f"TTFT {out.ttft:.3f}s]")

@@ -1,0 +1,85 @@
+"""`stallfree info`: this machine's hardware facts and the kernel table an engine with these
+settings would use (the same choice the engine makes at load, and logs)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..config import EngineConfig, ParallelConfig, resolve_device, resolve_threads
+from .args import add_setting_args, pick, settings_from_args
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("info", help="hardware facts and the kernel table an engine "
+                                           "would use")
+    add_setting_args(p, pick(EngineConfig, "model", "dtype", "device", "threads", "kernels"))
+    add_setting_args(p, pick(ParallelConfig, "tensor_parallel_size"))
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    return p
+
+
+def _cpu_name(path: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(path) as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or "unknown"
+
+
+def _head_dim(model: str | None) -> int | None:
+    """The model's head size (some kernels take only some), None where it cannot be read:
+    the table then leaves the shape to each call."""
+    from ..model.loader import load_model_config
+
+    try:
+        return load_model_config(model).head_dim
+    except (OSError, ValueError):
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from .. import huge_pages
+    from ..engine import choose_dtype
+    from ..executor.hardware import available_cores
+    from ..model.kernel_table import KernelFacts, choose_kernels
+
+    settings = settings_from_args(EngineConfig, args) | settings_from_args(ParallelConfig, args)
+    config = EngineConfig.from_kwargs(**settings)
+    device = resolve_device(config.device, torch.cuda.is_available())
+    device_type = torch.device(device).type
+    threads = resolve_threads(config.threads, os.environ.get("OMP_NUM_THREADS"),
+                              available_cores())
+    if device_type == "cpu":
+        torch.set_num_threads(threads)  # the bf16 probe times this many, as the engine's does
+    dtype_name, why = choose_dtype(config.dtype, device_type)
+    head_dim = _head_dim(config.model)
+    facts = KernelFacts.here()
+    table = choose_kernels(config.kernels, dtype=getattr(torch, dtype_name),
+                           device_type=device_type,
+                           tp_size=config.parallel.tensor_parallel_size, head_dim=head_dim,
+                           facts=facts)
+    hardware = [("cpu", f"{_cpu_name()}, {available_cores()} cores for this process"),
+                *facts.lines(), ("huge pages", huge_pages.status())]
+    engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),
+              ("threads", str(threads)),
+              ("head_dim", "unknown (no model)" if head_dim is None else str(head_dim))]
+    if args.json:
+        print(json.dumps({"hardware": dict(hardware), "engine": dict(engine),
+                          "kernels": {op: {"impl": impl, "reason": reason}
+                                      for op, impl, reason in table.rows()}}))
+        return 0
+    for title, pairs in (("hardware", hardware), ("engine", engine)):
+        print(title)
+        width = max(len(k) for k, _ in pairs)
+        print("\n".join(f"  {k:<{width}}  {v}" for k, v in pairs))
+    print("kernel table (override with --kernels OP=IMPL,...)")
+    rows = [("op", "impl", "why"), *table.rows()]
+    op_w, impl_w = (max(len(r[i]) for r in rows) for i in (0, 1))
+    print("\n".join(f"  {op:<{op_w}}  {impl:<{impl_w}}  {reason}" for op, impl, reason in rows))
+    return 0
