@@ -178,7 +178,9 @@ class ProfiledCostModel:
             if fit_on else Efficiency()
         self._mlp: P.MlpProfile | None = None
         self._ratio: dict[str, float] = {}
-        if self.linear == "auto":
+        # The profiles are of dense MLPs: an MoE layer reads a batch-dependent number of
+        # experts (ModelSpec.experts_read), which no weight-size ratio of theirs follows.
+        if self.linear == "auto" and not self.model.is_moe:
             best = None
             for prof in profs:
                 if self.tp not in prof.tps:
@@ -195,7 +197,8 @@ class ProfiledCostModel:
                 how = "exact shape" if exact else "proxy scaled by weight size"
                 self.sources["linear"] = f"{self._mlp.path} ({how})"
         if self._mlp is None:
-            self.sources["linear"] = f"roofline {self._linear_eff}"
+            moe = " (MoE: no expert profile)" if self.model.is_moe else ""
+            self.sources["linear"] = f"roofline {self._linear_eff}{moe}"
 
     def _linear_layer(self, tokens: int) -> float:
         t = self._linear_cache.get(tokens)

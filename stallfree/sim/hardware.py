@@ -32,24 +32,82 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     profile_name: str | None = None  # HF id under profiles/<gpu>/compute/, if profiled
     source: str = ""
+    # Mixture of experts (0 for a dense model): every layer's MLP is `num_experts` experts
+    # of `expert_intermediate_size` (0: intermediate_size, Mixtral's convention), of which
+    # a router picks `experts_per_token` for each token.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     @property
     def allreduces_per_layer(self) -> int:
         return 1 if self.parallel_attn else 2
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def mlp_intermediate_size(self) -> int:
+        """Width of one MLP (one expert's for MoE)."""
+        if self.is_moe and self.expert_intermediate_size:
+            return self.expert_intermediate_size
+        return self.intermediate_size
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """MLP width one token goes through: k experts' for MoE (activation memory)."""
+        return self.mlp_intermediate_size * (self.experts_per_token if self.is_moe else 1)
+
+    def experts_read(self, tokens: float) -> float:
+        """Expected number of distinct experts `tokens` tokens route to, in one layer.
+
+        Assumes uniform routing, independent across tokens: a token's k picks include a
+        given expert with probability k/E, so E (1 - (1 - k/E)^T) experts are hit. One
+        token reads k experts' weights, a few dozen nearly all E (Mixtral, E = 8, k = 2:
+        7.2 at T = 8, 7.9 at T = 16). Real routers are skewed, which hits fewer distinct
+        experts: this errs towards reading more weights. 0 for a dense model.
+        """
+        if not self.is_moe:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
     # ---- sizes (whole model, unsharded) -------------------------------------------------
-    def layer_params(self) -> int:
+    def _attn_params(self) -> int:
         h, hd = self.hidden_size, self.head_dim
-        attn = h * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
-        return attn + mlp + 2 * h  # + two norms
+        return h * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * h
+
+    def _mlp_params(self, experts: int) -> int:
+        """One layer's MLP with `experts` experts (ignored when dense), router included."""
+        one = (3 if self.gated_mlp else 2) * self.hidden_size * self.mlp_intermediate_size
+        if not self.is_moe:
+            return one
+        return experts * one + self.hidden_size * self.num_experts  # + the router
+
+    def layer_params(self) -> int:
+        """Every weight of one layer (all experts: what memory holds)."""
+        return self._attn_params() + self._mlp_params(self.num_experts) + 2 * self.hidden_size
+
+    def active_layer_params(self) -> int:
+        """The weights one token of one layer multiplies with (k experts for MoE)."""
+        return self._attn_params() + self._mlp_params(self.experts_per_token) \
+            + 2 * self.hidden_size
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    def num_params(self) -> int:
+    def _ends_params(self) -> int:
         head = 0 if self.tie_word_embeddings else self.embedding_params()
-        return self.num_layers * self.layer_params() + self.embedding_params() + head
+        return self.embedding_params() + head
+
+    def num_params(self) -> int:
+        """Total parameters (all experts)."""
+        return self.num_layers * self.layer_params() + self._ends_params()
+
+    def num_active_params(self) -> int:
+        """Parameters a token uses (k experts a layer); num_params for a dense model."""
+        return self.num_layers * self.active_layer_params() + self._ends_params()
 
     def kv_heads_per_rank(self, tp: int) -> int:
         # With fewer KV heads than ranks, each rank keeps a replica of one head (vLLM's rule).
@@ -84,6 +142,9 @@ class ModelSpec:
             kv = 1 if cfg.get("multi_query") else heads
         model_type = str(cfg.get("model_type", ""))
         falcon = model_type in ("falcon", "RefinedWeb", "RefinedWebModel")
+        # MoE: Mixtral's num_local_experts (its experts are intermediate_size wide) or
+        # Qwen3-MoE's num_experts with moe_intermediate_size.
+        experts = int(get("num_local_experts", "num_experts", default=0))
         return cls(
             name=name, num_layers=int(get("num_hidden_layers", "n_layer", "num_layers")),
             hidden_size=hidden,
@@ -97,6 +158,10 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings", "max_seq_len",
                                              default=2048)),
+            num_experts=experts,
+            experts_per_token=int(get("num_experts_per_tok", default=0)) if experts else 0,
+            expert_intermediate_size=int(get("moe_intermediate_size", default=0))
+            if experts else 0,
             source="config.json")
 
 
@@ -126,6 +191,11 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("falcon-180b", 80, 14848, 4 * 14848, 232, 8, 64, 65024, gated_mlp=False,
               parallel_attn=True, max_position_embeddings=2048,
               source=_HF.format("tiiuae/falcon-180B")),
+    # Mixtral-8x7B: Mistral-7B's attention, each MLP 8 experts of Mistral-7B's size, 2 a
+    # token. No profile: its linear ops use the roofline (cost_model.py).
+    ModelSpec("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, max_position_embeddings=32768,
+              num_experts=8, experts_per_token=2,
+              source=_HF.format("mistralai/Mixtral-8x7B-v0.1")),
     # The engine's default model, for `stallfree profile` on this machine.
     ModelSpec("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, tie_word_embeddings=True,
               max_position_embeddings=8192, profile_name="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -199,7 +269,8 @@ def kv_cache_blocks(model: ModelSpec, gpu: GpuSpec, tp: int, pp: int, block_size
     (as the engine's flag does on CPU).
     """
     if kv_cache_memory is None:
-        h, i = model.hidden_size, model.intermediate_size * (2 if model.gated_mlp else 1)
+        h = model.hidden_size
+        i = model.active_intermediate_size * (2 if model.gated_mlp else 1)
         qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
         act = max_batched_tokens * (4 * h + (qkv + i) // tp) * dtype_bytes
         kv_cache_memory = int(gpu.memory_bytes * gpu_memory_utilization) \

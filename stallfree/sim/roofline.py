@@ -19,25 +19,36 @@ DTYPE_BYTES = 2
 
 
 def layer_ops(model: ModelSpec, tp: int, tokens: int) -> dict[str, tuple[float, float]]:
-    """(FLOPs, bytes) of each token-level op of one layer on one rank (mlp.csv's op names)."""
+    """(FLOPs, bytes) of each token-level op of one layer on one rank (mlp.csv's op names).
+
+    An MoE layer's MLP ops (TP shards every expert, as vLLM's Mixtral does) run on the
+    T x k (token, expert) rows but read only the experts those rows hit, and a router
+    (replicated on every rank) scores the E experts of each token.
+    """
     h, hd, t = model.hidden_size, model.head_dim, tokens
     q, kv = model.num_heads // tp, model.kv_heads_per_rank(tp)
-    inter = model.intermediate_size // tp
+    inter = model.mlp_intermediate_size // tp
     up = inter * (2 if model.gated_mlp else 1)
+    # Rows through the MLP and weight matrices it reads: for dense, T and one.
+    rows, mats = (t * model.experts_per_token, model.experts_read(t)) if model.is_moe \
+        else (t, 1.0)
 
-    def gemm(k: int, n: int) -> tuple[float, float]:
-        return 2.0 * t * k * n, DTYPE_BYTES * (k * n + t * k + t * n)
+    def gemm(k: int, n: int, rows: float = t, mats: float = 1.0) -> tuple[float, float]:
+        return 2.0 * rows * k * n, DTYPE_BYTES * (mats * k * n + rows * k + rows * n)
 
-    def elementwise(width: int, passes: int = 2) -> tuple[float, float]:
-        return float(t * width), float(DTYPE_BYTES * t * width * passes)
+    def elementwise(width: int, passes: int = 2, rows: float = t) -> tuple[float, float]:
+        return float(rows * width), float(DTYPE_BYTES * rows * width * passes)
 
-    return {
+    ops = {
         "input_layernorm": elementwise(h), "post_attention_layernorm": elementwise(h),
         "attn_pre_proj": gemm(h, (q + 2 * kv) * hd), "attn_rope": elementwise((q + kv) * hd),
-        "attn_post_proj": gemm(q * hd, h), "mlp_up_proj": gemm(h, up),
-        "mlp_act": elementwise(up, 3 if model.gated_mlp else 2), "mlp_down_proj": gemm(inter, h),
-        "add": elementwise(h, 3),
+        "attn_post_proj": gemm(q * hd, h), "mlp_up_proj": gemm(h, up, rows, mats),
+        "mlp_act": elementwise(up, 3 if model.gated_mlp else 2, rows),
+        "mlp_down_proj": gemm(inter, h, rows, mats), "add": elementwise(h, 3),
     }
+    if model.is_moe:
+        ops["mlp_router"] = gemm(h, model.num_experts)
+    return ops
 
 
 @dataclass
