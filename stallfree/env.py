@@ -19,6 +19,9 @@ BUILD_DIR = "STALLFREE_BUILD_DIR"  # where the kernel library is built (default:
 # hear anything from the engine: hex, or the name of a file holding it.
 WORKER_SECRET = "STALLFREE_WORKER_SECRET"
 WORKER_SECRET_FILE = "STALLFREE_WORKER_SECRET_FILE"
+API_KEY = "STALLFREE_API_KEY"  # the server's key, kept out of the command line (and `ps`)
+# "0": a server leaves its start-up objects in the cyclic GC's passes (a process-wide heap).
+GC_FREEZE = "STALLFREE_GC_FREEZE"
 
 
 def kernel_march(environ: Mapping[str, str] = os.environ) -> str:
@@ -38,3 +41,11 @@ def worker_secret_text(environ: Mapping[str, str] | None = None) -> str | None:
         with open(environ[WORKER_SECRET_FILE]) as f:
             text = f.read()
     return text or None
+
+
+def api_key(environ: Mapping[str, str] = os.environ) -> str | None:
+    return environ.get(API_KEY)
+
+
+def gc_freeze(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(GC_FREEZE) != "0"

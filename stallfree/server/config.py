@@ -10,12 +10,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .. import env
 from ..config import option, parse_size
 from ..structured_outputs import CompileLimits
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-API_KEY_ENV = "STALLFREE_API_KEY"
+API_KEY_ENV = env.API_KEY
 
 
 def parse_port(text: str) -> int:
@@ -53,7 +54,7 @@ def _check_names(value: Any) -> list[str]:
 
 
 def _api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV)
+    return env.api_key()
 
 
 _COMPILE = CompileLimits()

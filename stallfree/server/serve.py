@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import time
 
+from .. import env
 from ..config import EngineConfig
 from ..scheduler.cost_fit import OnlineCost
 from .config import ServerConfig
 
-GC_FREEZE_SWITCH = "STALLFREE_GC_FREEZE"  # "0": the start-up objects stay in the GC's passes
+GC_FREEZE_SWITCH = env.GC_FREEZE  # "0": the start-up objects stay in the GC's passes
 
 
 def freeze_startup_heap() -> tuple[int, float]:
@@ -103,7 +103,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
         # found stop_serving a no-op, so look now. From here on stop_serving reaches the
         # server, and uvicorn honours a should_exit set before it runs.
         if not async_engine.is_dead:
-            if os.environ.get(GC_FREEZE_SWITCH) != "0":
+            if env.gc_freeze():
                 frozen, seconds = freeze_startup_heap()
                 logging.getLogger("stallfree.server").info(
                     "%d start-up objects frozen out of the cyclic GC's full passes (one "
