@@ -196,9 +196,8 @@ class EngineConfig:
         None, "CPU threads for the model's compute, per process (default: $OMP_NUM_THREADS, "
               "else the cores this process may run on)", parse=int)
     kernels: dict[str, str] = option(
-        help="the kernel table's choices to override, op=impl comma-separated (e.g. "
-             "decode_attention=torch); `stallfree info` shows the table. Ops: "
-             + "; ".join(f"{op}: {'|'.join(impls)}" for op, impls in KERNEL_OPS.items()),
+        help="kernel table choices to override, e.g. decode_attention=torch (`stallfree info` "
+             "shows the table): " + "; ".join(f"{o} {'|'.join(i)}" for o, i in KERNEL_OPS.items()),
         parse=parse_kernels, metavar="OP=IMPL,...", default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
