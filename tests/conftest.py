@@ -58,3 +58,23 @@ def bf16_llm():
     llm = LLM(max_model_len=4096, dtype="bfloat16")
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture
+def serve():
+    """`serve(engine=None, **build_app_args)`: the API app around `engine` (a fresh
+    FakeEngine if None), served as model "fake" by uvicorn in a thread of this process;
+    every server started is stopped after the test."""
+    from server_utils import FakeEngine, ThreadServer
+    from stallfree.server.api import build_app
+
+    servers = []
+
+    def start(engine=None, **kwargs) -> ThreadServer:
+        server = ThreadServer(build_app(engine or FakeEngine(), "fake", **kwargs))
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -9,27 +9,10 @@ import threading
 import httpx
 import pytest
 
-from server_utils import FakeEngine, ThreadServer
-from stallfree.server.api import build_app
 from stallfree.server.config import RequestLimits
 
 MODEL = "fake"
 PATIENCE = 20  # seconds a test waits for what must happen: a bound on a hang, not a timing
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(**kwargs) -> ThreadServer:
-        engine = FakeEngine()
-        server = ThreadServer(build_app(engine, MODEL, **kwargs))
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def _error(response: httpx.Response) -> dict:

@@ -14,27 +14,12 @@ import time
 import httpx
 import pytest
 
-from server_utils import FakeEngine, ThreadServer, scrape
+from server_utils import FakeEngine, scrape
 from stallfree.iteration_log import IterationLog
-from stallfree.server.api import build_app
 from stallfree.server.async_engine import MAX_CONSECUTIVE_FAILURES, MAX_WORKER_RESTARTS
 from stallfree.server.config import RequestLimits
 
 MODEL = "fake"
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(engine: FakeEngine, **kwargs) -> ThreadServer:
-        server = ThreadServer(build_app(engine, MODEL, **kwargs))
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def _is_error(resp: httpx.Response, status: int) -> dict:
