@@ -20,16 +20,10 @@ from .config import (
     resolve_dtype,
     resolve_threads,
 )
-from .distributed.distributed_executor import DistributedExecutor, threads_per_worker
-from .distributed.worker import WorkerConfig
-from .executor.base import Executor
+from .distributed.executors import make_executor
 from .executor.cost_probe import calibrate
 from .executor.hardware import available_cores, probe_cpu_bf16
-from .executor.local import LocalExecutor
-from .model.config import ModelConfig
-from .model.kernel_table import KernelTable, choose_kernels
 from .model.llama import kv_cache_bytes_per_token
-from .model.loader import load_model, load_model_config
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
 from .outputs import (
@@ -74,30 +68,6 @@ def choose_dtype(name: str | None, device_type: str) -> tuple[str, str]:
         result = probe_cpu_bf16()
         probe = (result.fast, result.reason)
     return resolve_dtype(name, device_type, probe)
-
-
-def make_executor(config: EngineConfig, device: torch.device,
-                  dtype_name: str) -> tuple[Executor, ModelConfig, KernelTable]:
-    """The model in this process, or (TP/PP) shard by shard in worker processes; and its
-    kernel table (under TP/PP, as this machine chooses it: each worker logs its own)."""
-    parallel, dtype = config.parallel, getattr(torch, dtype_name)
-    # A kernel the settings ask for that cannot run here fails now, before any weight loads.
-    choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
-                   tp_size=parallel.tensor_parallel_size)
-    if parallel.world_size == 1:
-        model, model_config = load_model(config.model, dtype, device, kernels=config.kernels)
-        return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
-                model.kernels)
-    model_config = load_model_config(config.model)
-    Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size).check(
-        model_config.num_hidden_layers, model_config.num_key_value_heads)
-    threads = threads_per_worker(parallel.world_size, config.threads)
-    worker_config = WorkerConfig(config.model, dtype_name, device.type,
-                                 parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                 config.seed, threads, dict(config.kernels))
-    table = choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
-                           tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim)
-    return DistributedExecutor(worker_config, parallel), model_config, table
 
 
 class LLMEngine:

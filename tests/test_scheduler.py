@@ -12,7 +12,7 @@ from scheduler_helpers import TOKEN, make_request, new_scheduler, run_until_done
 from stallfree.config import SchedulerConfig
 from stallfree.request import RequestStatus
 from stallfree.scheduler import BlockManager, SarathiScheduler, make_scheduler
-from stallfree.scheduler.base import Batch
+from stallfree.scheduler.batch import Batch
 from stallfree.scheduler.output import ScheduledChunk
 
 

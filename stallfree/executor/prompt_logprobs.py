@@ -39,6 +39,8 @@ def prompt_logprobs(model: LogitsModel, hidden: torch.Tensor, chunks: Sequence[S
     that `report`s computes the logprobs."""
     result = {}
     for chunk, offset in zip(chunks, offsets):
+        if chunk.prompt_logprobs is None:  # the common case, checked first: every step runs this
+            continue
         targets = chunk.prompt_logprob_targets
         if not targets:
             continue

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..config import SchedulerConfig
 from ..request import RequestStatus
-from .base import Batch, Scheduler
+from .base import Scheduler
+from .batch import Batch
 from .kv_cache import BlockManager
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..request import Request, RequestStatus
-from .base import Batch, Scheduler
+from .base import Scheduler
+from .batch import Batch
 from .prefix_cache import PrefixHit
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..request import RequestStatus
-from .base import Batch, Scheduler
+from .base import Scheduler
+from .batch import Batch
 
 
 class RequestLevelScheduler(Scheduler):

@@ -29,7 +29,7 @@ import dataclasses
 
 from ..config import SchedulerConfig
 from ..request import Request
-from .base import Batch
+from .batch import Batch
 from .cost_fit import BatchFeatures, OnlineCost
 from .kv_cache import BlockManager
 from .output import SchedulerOutput

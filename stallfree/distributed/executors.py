@@ -1,0 +1,38 @@
+"""Which executor runs a config's model: in this process, or shard by shard in tensor- and
+pipeline-parallel worker processes."""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineConfig
+from ..executor.base import Executor
+from ..executor.local import LocalExecutor
+from ..model.config import ModelConfig
+from ..model.kernel_table import KernelTable, choose_kernels
+from ..model.loader import load_model, load_model_config
+from ..model.parallel import Shard
+from .distributed_executor import DistributedExecutor, threads_per_worker
+from .worker import WorkerConfig
+
+
+def make_executor(config: EngineConfig, device: torch.device,
+                  dtype_name: str) -> tuple[Executor, ModelConfig, KernelTable]:
+    """The executor, the model's config and its kernel table (under TP/PP, as this machine
+    chooses it: each worker logs its own). A kernel the settings ask for that cannot run
+    here fails before any weight loads."""
+    parallel, dtype = config.parallel, getattr(torch, dtype_name)
+    if parallel.world_size == 1:
+        choose_kernels(config.kernels, dtype=dtype, device_type=device.type)
+        model, model_config = load_model(config.model, dtype, device, kernels=config.kernels)
+        return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
+                model.kernels)
+    model_config = load_model_config(config.model)
+    table = choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
+                           tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim)
+    Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size).check(
+        model_config.num_hidden_layers, model_config.num_key_value_heads)
+    threads = threads_per_worker(parallel.world_size, config.threads)
+    worker_config = WorkerConfig(config.model, dtype_name, device.type,
+                                 parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                 config.seed, threads, dict(config.kernels))
+    return DistributedExecutor(worker_config, parallel), model_config, table
