@@ -22,6 +22,15 @@ from .prefix_cache import PrefixHit
 from .siblings import HeldSiblings
 
 
+def prompt_length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt this long is refused (None: it is not): the one rule, for the engine,
+    the simulator and the server's check before a long prompt's ids are validated."""
+    if num_prompt_tokens < max_model_len:
+        return None
+    return (f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}: "
+            f"it must be shorter to leave room for output")
+
+
 class Scheduler:
     """Shared machinery; `schedule` delegates the choice of chunks to `_schedule`."""
 
@@ -86,10 +95,9 @@ class Scheduler:
         # The one check of a prompt's length, for the engine and the simulator alike.
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt must not be empty")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, but max_model_len "
-                             f"is {self.config.max_model_len}: it must be shorter to leave room "
-                             f"for output")
+        too_long = prompt_length_error(request.num_prompt_tokens, self.config.max_model_len)
+        if too_long is not None:
+            raise ValueError(too_long)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:

@@ -17,8 +17,10 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
+from ..scheduler.base import prompt_length_error
 from .config import RequestLimits
 from .errors import APIError
+from .limits import check_num_prompts
 
 OFF_LOOP_BYTES = 64 << 10  # above this, a body is parsed and validated on a thread
 
@@ -39,16 +41,12 @@ def check_prompt_sizes(data: Any, max_model_len: int, limits: RequestLimits) -> 
     if isinstance(prompt[0], int):
         prompts = [prompt]
     else:  # strings or id lists: one prompt each
-        if len(prompt) > limits.max_prompts:
-            raise APIError(400, f"{len(prompt)} prompts in one request; at most "
-                                f"{limits.max_prompts} (this server's --max-prompts)",
-                           param="prompt", code="limit_exceeded")
+        check_num_prompts(limits, len(prompt))
         prompts = [p for p in prompt if isinstance(p, list)]
     longest = max(len(p) for p in prompts) if prompts else 0
-    if longest >= max_model_len:  # the scheduler's own check, and its words
-        raise APIError(400, f"prompt has {longest} tokens, but max_model_len is "
-                            f"{max_model_len}: it must be shorter to leave room for output",
-                       param="prompt", code="invalid_value")
+    reason = prompt_length_error(longest, max_model_len)  # the scheduler's own check
+    if reason is not None:
+        raise APIError(400, reason, param="prompt", code="invalid_value")
 
 
 def _is_json(request: Request) -> bool:

@@ -16,16 +16,22 @@ from .errors import APIError, error_response
 DRAIN_FACTOR = 4  # a refused body is read (not kept) up to this many times the limit
 
 
-def check_request_limits(limits: RequestLimits, params: SamplingParams,
-                         num_prompts: int = 1) -> None:
-    """Raises a 400 APIError for the first limit the request exceeds."""
-    def refuse(param: str, message: str, flag: str) -> None:
-        raise APIError(400, f"{message} (this server's --{flag})", param=param,
-                       code="limit_exceeded")
+def refuse(param: str, message: str, flag: str) -> None:
+    """A 400 for a limit: what was asked, the limit, and the flag that sets it."""
+    raise APIError(400, f"{message} (this server's --{flag})", param=param,
+                   code="limit_exceeded")
 
+
+def check_num_prompts(limits: RequestLimits, num_prompts: int) -> None:
     if num_prompts > limits.max_prompts:
         refuse("prompt", f"{num_prompts} prompts in one request; at most {limits.max_prompts}",
                "max-prompts")
+
+
+def check_request_limits(limits: RequestLimits, params: SamplingParams,
+                         num_prompts: int = 1) -> None:
+    """Raises a 400 APIError for the first limit the request exceeds."""
+    check_num_prompts(limits, num_prompts)
     if num_prompts * params.n > limits.max_sequences:
         refuse("n", f"{num_prompts} prompt(s) x n={params.n} asks for "
                     f"{num_prompts * params.n} sequences; at most {limits.max_sequences}",
