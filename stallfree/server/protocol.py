@@ -31,6 +31,9 @@ INT64_MAX = 2**63 - 1
 TokenCount = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# vLLM's prompt_logprobs: None for the first token, then per token
+# {token id: {logprob, rank, decoded_token}}.
+PromptLogprobsField = list[dict[str, dict[str, Any]] | None]
 
 
 def random_id(prefix: str) -> str:
@@ -173,9 +176,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
-    # With prompt_logprobs, vLLM's format: None for the first token, then per token
-    # {token id: {logprob, rank, decoded_token}}.
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -301,7 +302,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as vLLM's
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 # ---- models, tokenizer -------------------------------------------------------
