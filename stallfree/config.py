@@ -22,6 +22,7 @@ from .kernel_ops import KERNEL_OPS, check_kernels, parse_kernels
 POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = (*DTYPES, "auto")
+QUANTIZATION_CHOICES = ("auto", "none", "int8")  # stallfree/model/quant_load.py says what each does
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_TOKEN_BUDGET = 512
 # With --tbt-slo the SLO picks each iteration's budget; the budget is then only a cap,
@@ -190,6 +191,11 @@ class EngineConfig:
         "auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with fast bf16 "
                 "(AMX or AVX512_BF16, confirmed by a timed matmul), float32 elsewhere",
         choices=DTYPE_CHOICES)
+    quantization: str = option(
+        "auto", "weights kept or made quantized; auto: a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/"
+                "Q8_0 weights stay quantized where the quantized matmul kernel runs (CPU); "
+                "none: dequantized to dtype at load; int8: every matmul weight as "
+                "per-channel int8", choices=QUANTIZATION_CHOICES)
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
     seed: int = option(0, "seed of unseeded sampling")
     threads: int | None = option(
@@ -207,6 +213,9 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                              f"got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.threads is not None:
             _check_positive_ints(self, "threads")
         self.kernels = check_kernels(self.kernels)

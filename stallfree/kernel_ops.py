@@ -17,6 +17,9 @@ KERNEL_OPS: dict[str, tuple[str, ...]] = {
     # bfloat16 matmuls of a few rows whose weights are not in the tile packing.
     "matmul_bf16_few_rows": ("skinny", "torch"),
     "matmul_f32": ("f32", "torch"),
+    # Matmuls from weights kept quantized (GGUF's 4- and 8-bit types, int8): integer dot
+    # products in the kernel, or the weight dequantized on every call for F.linear.
+    "matmul_quant": ("kernel", "torch"),
     # Attention over the paged cache, read in place (scores in AMX tiles or vectors), or
     # its blocks gathered for SDPA.
     "decode_attention": ("amx", "vectors", "torch"),

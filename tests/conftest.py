@@ -10,12 +10,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model in float32, the reference dtype: token-for-token equality with
-    transformers, chunked with unchunked and batched with alone are float32 claims (bf16
-    rounds differently per batch shape; tests/test_dtype.py bounds its disagreement)."""
+    """The default model in float32, its GGUF weights dequantized at load: the reference
+    model. Token-for-token equality with transformers, chunked with unchunked and batched
+    with alone are float32 claims (bf16 rounds differently per batch shape;
+    tests/test_dtype.py bounds its disagreement; the quantized kernels quantize activations,
+    tests/test_quantized_model.py bounds theirs)."""
     from stallfree import LLM
 
-    return LLM(max_model_len=4096, dtype="float32")
+    return LLM(max_model_len=4096, dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="session")
+def quantized_llm():
+    """The default model as it serves by default: its Q4_1/Q8_0 weights kept quantized."""
+    from stallfree import LLM
+
+    llm = LLM(max_model_len=4096, dtype="float32", quantization="auto")
+    yield llm
+    llm.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +67,7 @@ def bf16_llm():
         pytest.skip(f"the CPU has none of {hardware.BF16_FLAGS}: bf16 would take minutes")
     from stallfree import LLM
 
-    llm = LLM(max_model_len=4096, dtype="bfloat16")
+    llm = LLM(max_model_len=4096, dtype="bfloat16", quantization="none")
     yield llm
     llm.shutdown()
 

@@ -23,7 +23,8 @@ def make_executor(config: EngineConfig, device: torch.device,
     parallel, dtype = config.parallel, getattr(torch, dtype_name)
     if parallel.world_size == 1:
         choose_kernels(config.kernels, dtype=dtype, device_type=device.type)
-        model, model_config = load_model(config.model, dtype, device, kernels=config.kernels)
+        model, model_config = load_model(config.model, dtype, device, kernels=config.kernels,
+                                         quantization=config.quantization)
         return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
                 model.kernels)
     model_config = load_model_config(config.model)
@@ -34,5 +35,6 @@ def make_executor(config: EngineConfig, device: torch.device,
     threads = threads_per_worker(parallel.world_size, config.threads)
     worker_config = WorkerConfig(config.model, dtype_name, device.type,
                                  parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                 config.seed, threads, dict(config.kernels))
+                                 config.seed, threads, dict(config.kernels),
+                                 config.quantization)
     return DistributedExecutor(worker_config, parallel), model_config, table

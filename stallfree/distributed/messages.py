@@ -41,6 +41,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     num_threads: int | None  # CPU threads per worker; None leaves torch's default
     # The engine's `kernels` setting (op -> implementation): every rank chooses alike.
     kernels: dict[str, str] = msgspec.field(default_factory=dict)
+    quantization: str = "auto"  # the engine's setting (model/quant_load.py)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

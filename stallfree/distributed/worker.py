@@ -116,7 +116,8 @@ def _serve(channel: Channel, rank: int, world: int, local_rank: int) -> None:
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
     shard = Shard.of_rank(rank, tp, pp, groups[rank // tp])
     dtype = getattr(torch, cfg.dtype)  # resolved by the engine
-    model, model_config = load_model(cfg.model, dtype, device, shard, cfg.kernels)
+    model, model_config = load_model(cfg.model, dtype, device, shard, cfg.kernels,
+                                     cfg.quantization)
     pipe = StagePipe(rank, tp, model_config.hidden_size, dtype, device) if pp > 1 else None
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     weight_bytes = sum(model.weight_numels().values()) * dtype.itemsize

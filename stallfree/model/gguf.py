@@ -1,12 +1,16 @@
-"""GGUF tensors under Hugging Face names, dequantised lazily, in HF's row order."""
+"""GGUF tensors under Hugging Face names, in HF's row order: dequantised lazily, or as quant
+rows (quant_formats.py) for the weights that stay quantized."""
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 
 import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
 
 from .config import ModelConfig
+from .quant_formats import from_gguf
 from .weights import Fetch, slicer
 
 _GGUF_GLOBAL_NAMES = {
@@ -46,13 +50,38 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_tensors(tensors, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
-    """(HF name, fetch) per tensor (a gguf reader's, or their saved index's); a tensor is
-    dequantised only if it is fetched."""
+def gguf_named_tensors(tensors) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) per tensor the model reads."""
     for t in tensors:
         name = _gguf_to_hf_name(t.name)
         if name is not None:
-            yield name, slicer(lambda t=t, name=name: _gguf_dequantize(t, name, config))
+            yield name, t
+
+
+def gguf_tensors(tensors, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
+    """(HF name, fetch) per tensor (a gguf reader's, or their saved index's); a tensor is
+    dequantised only if it is fetched."""
+    for name, t in gguf_named_tensors(tensors):
+        yield name, slicer(lambda t=t, name=name: _gguf_dequantize(t, name, config))
+
+
+def gguf_quant_rows(t, name: str, config: ModelConfig) -> torch.Tensor:
+    """Tensor `t` (of a type quant_formats keeps) as quant rows [N, row_bytes], in HF's row
+    order: its blocks converted, never dequantized."""
+    k = int(t.shape[0])  # GGUF lists the fastest dimension, a row's length, first
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[t.tensor_type][1]
+                                                     * (k // GGML_QUANT_SIZES[t.tensor_type][0]))
+    return torch.from_numpy(np.ascontiguousarray(_hf_rows(from_gguf(raw, t.tensor_type, k),
+                                                          name, config)))
+
+
+def _hf_rows(data: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    if config.architecture == "llama":
+        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+            return _unpermute_rope_rows(data, config.num_attention_heads)
+        if name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+            return _unpermute_rope_rows(data, config.num_key_value_heads)
+    return data
 
 
 def _gguf_dequantize(t, name: str, config: ModelConfig) -> np.ndarray:
@@ -60,10 +89,4 @@ def _gguf_dequantize(t, name: str, config: ModelConfig) -> np.ndarray:
 
     # GGUF lists dims fastest-first; numpy/torch want them reversed.
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    data = np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
-    if config.architecture == "llama":
-        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-            data = _unpermute_rope_rows(data, config.num_attention_heads)
-        elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-            data = _unpermute_rope_rows(data, config.num_key_value_heads)
-    return data
+    return _hf_rows(np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape), name, config)

@@ -69,6 +69,7 @@ class KernelTable:
     matmul_bf16: Choice
     matmul_bf16_few_rows: Choice
     matmul_f32: Choice
+    matmul_quant: Choice
     decode_attention: Choice
     prefill_attention: Choice
     norm: Choice
@@ -138,6 +139,12 @@ def _matmul_f32(i: _Inputs, _: dict[str, Choice]) -> list[Candidate]:
             ("torch", None, "F.linear")]
 
 
+def _matmul_quant(i: _Inputs, _: dict[str, Choice]) -> list[Candidate]:
+    return [("kernel", i.facts.library, "weights kept quantized, x quantized to int8 per block "
+                                        "of 32, integer dot products"),
+            ("torch", None, "the weight dequantized on every call, then F.linear")]
+
+
 def _attention(i: _Inputs, prefill: bool) -> list[Candidate]:
     f, dtype, head_dim = i.facts, i.dtype, i.head_dim
     if prefill:
@@ -173,12 +180,13 @@ def _rope_cache(i: _Inputs, _: dict[str, Choice]) -> list[Candidate]:
 def _layer_loop(i: _Inputs, chosen: dict[str, Choice]) -> list[Candidate]:
     f32 = chosen["matmul_f32"].kernel and i.dtype in (None, torch.float32)
     bf16 = chosen["matmul_bf16"].impl in PAIR_KERNEL and i.dtype in (None, torch.bfloat16)
+    quant = chosen["matmul_quant"].kernel  # any dtype: the kernel converts x and its output
     can = _first(i.facts.library,
                  "tensor parallelism (an all-reduce between a layer's kernels)"
                  if i.tp_size > 1 else None,
                  None if chosen["norm"].kernel else "norm runs in torch",
                  None if chosen["rope_cache"].kernel else "rope_cache runs in torch",
-                 None if f32 or bf16 else "the matmuls do not run in a packed kernel")
+                 None if f32 or bf16 or quant else "the matmuls do not run in a packed kernel")
     return [("cpp", can, "the decoder layers in one C++ call, for batches whose attention "
                          "runs in the kernels"),
             ("python", None, "the layers loop in Python")]
@@ -186,6 +194,7 @@ def _layer_loop(i: _Inputs, chosen: dict[str, Choice]) -> list[Candidate]:
 
 _RULES: dict[str, Callable[[_Inputs, dict[str, Choice]], list[Candidate]]] = {
     "matmul_bf16": _matmul_bf16, "matmul_bf16_few_rows": _few_rows, "matmul_f32": _matmul_f32,
+    "matmul_quant": _matmul_quant,
     "decode_attention": lambda i, _: _attention(i, prefill=False),
     "prefill_attention": lambda i, _: _attention(i, prefill=True),
     "norm": lambda i, _: _fused(i, "residual add + RMSNorm in one pass"),

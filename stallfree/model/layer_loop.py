@@ -51,14 +51,24 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard,
             want = f"{kind}_gated" if name == "gate_up_proj" else kind
             if module.bias is not None:
                 return f"{name} has a bias"
-            if module.packed is None or module.packed.layout != want:
+            if module.packed is not None and module.packed.quant is not None:
+                if not kernels.matmul_quant.kernel:
+                    return f"{name} is quantized and matmul_quant runs in torch"
+            elif module.packed is None or module.packed.layout != want:
                 return f"{name} is not packed for the {kind} kernel (linear.pack_weight)"
     return None
+
+
+def _quant_code(module: linear.Linear) -> int:
+    """The module's quant format code (csrc/quant_linear.cpp's), 0 for a float packing."""
+    quant = module.packed.quant
+    return 0 if quant is None else quant.code
 
 
 @dataclass(frozen=True)
 class LayerLoop:
     weights: list[torch.Tensor]  # per layer: norm, qkv, o, norm, gate/up, down (packed)
+    quant_formats: list[int]  # per layer: qkv, o, gate/up, down's quant format code, or 0
     kernels: KernelTable  # the model's: it packed the weights, and picks the attention
     heads: int
     kv_heads: int
@@ -68,6 +78,7 @@ class LayerLoop:
     # The model's final RMSNorm weight, applied in the same call (the last pipeline stage,
     # its eps the layers'): at a one-row step its Python call cost ~0.1 ms on cold caches.
     final_norm: torch.Tensor | None = None
+    dense_bf16: bool = False  # some matmul weight is in the bf16 tile packing
 
     @classmethod
     def build(cls, layers: Sequence[nn.Module], shard: Shard, kernels: KernelTable,
@@ -77,24 +88,30 @@ class LayerLoop:
         reason = _unfit_reason(layers, shard, kernels)
         if reason is not None:
             return None, reason
-        weights = []
+        weights, quant_formats = [], []
         for layer in layers:
             mods = _linears(layer)
             weights += [layer.input_layernorm.weight, mods["qkv_proj"].packed.data,
                         mods["o_proj"].packed.data, layer.post_attention_layernorm.weight,
                         mods["gate_up_proj"].packed.data, mods["down_proj"].packed.data]
+            quant_formats += [_quant_code(m) for m in mods.values()]
         attn, eps = layers[0].self_attn, layers[0].input_layernorm.eps
         norm = (final_norm.weight if final_norm is not None and final_norm.eps == eps
                 and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype
                 else None)
-        return cls(weights, kernels, attn.num_heads, attn.num_kv_heads,
-                   layers[0].mlp.gate_up_proj.out_features, eps, attn.scale, norm), None
+        if not any(quant_formats):
+            quant_formats = []
+        dense_bf16 = any(w.dtype == torch.bfloat16 for i, w in enumerate(weights)
+                         if i % WEIGHTS_PER_LAYER not in (0, 3))  # not the norms
+        return cls(weights, quant_formats, kernels, attn.num_heads, attn.num_kv_heads,
+                   layers[0].mlp.gate_up_proj.out_features, eps, attn.scale, norm,
+                   dense_bf16), None
 
     def fits(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether this batch takes the C++ loop: each call there is the kernel the Python
         path would choose for it (after `meta.prepare`). The table chose the kernels for
         every op of a layer (`build`); what is left are the batch's own facts."""
-        if not (x.device.type == "cpu" and x.dtype == self.weights[1].dtype and x.dim() == 2
+        if not (x.device.type == "cpu" and x.dtype == self.weights[0].dtype and x.dim() == 2
                 and x.is_contiguous() and self._matmuls_run(x.shape[0])
                 and fused.cache_fits_rope(kv_cache, x.dtype)
                 and kv_cache.shape[0] * WEIGHTS_PER_LAYER == len(self.weights)):
@@ -116,9 +133,10 @@ class LayerLoop:
         return None if len(wants) > 1 else bool(wants and wants.pop())
 
     def _matmuls_run(self, rows: int) -> bool:
-        """Whether linear.py would run these packings' matmuls of `rows` rows in the kernel."""
-        return (self.weights[1].dtype == torch.float32
-                or linear.runs_packed(rows, self.kernels))
+        """Whether linear.py would run these packings' matmuls of `rows` rows in the kernel:
+        float32 and quantized ones at any row count, bf16 ones where the tile kernel takes
+        them."""
+        return not self.dense_bf16 or linear.runs_packed(rows, self.kernels)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata,
@@ -133,4 +151,4 @@ class LayerLoop:
             x, self.weights, kv_cache, cos.reshape(t, -1), sin.reshape(t, -1),
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, prefill,
             meta.num_prefill_tokens, self.heads, self.kv_heads, self.gate_up_features,
-            self.eps, self.scale, self._tiles(x, meta), self.final_norm)
+            self.eps, self.scale, self._tiles(x, meta), self.final_norm, self.quant_formats)

@@ -16,6 +16,8 @@ layout (`pack_weight`): F.linear on a plain bf16 weight reorders it on every cal
 float32 weights (rows in 16s) are packed for csrc/f32_linear.cpp, which runs their
 matmuls: on a 2-core EPYC it took 0.37-0.5x F.linear's time at 1-8 rows and 0.74-0.85x at
 512, in AVX-512 and AVX2 builds (docs/benchmarks.md: "float32 matmuls in a CPU kernel").
+Weights kept quantized (packing.PackedWeight.quant: GGUF's 4- and 8-bit types, int8) run
+in csrc/quant_linear.cpp at every row count, or are dequantized per call for F.linear.
 Everything else goes to F.linear, the reference. Which of these paths runs is the kernel
 table's choice (kernel_table.py: matmul_bf16, matmul_bf16_few_rows, matmul_f32), made at
 load: the weights are packed for it.
@@ -125,6 +127,20 @@ def pack_weight(weight: torch.Tensor, gated: bool = False,
         return None
 
 
+def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
+                 kernels: KernelTable, gated: bool = False) -> torch.Tensor:
+    """x @ W.T (gated: silu(gate) * up) from quantized rows, in x's dtype."""
+    n, k = packed.shape
+    if (kernels.matmul_quant.kernel and x.device.type == "cpu" and x.dim() == 2
+            and k % 32 == 0):
+        op = (torch.ops.stallfree.quant_linear_silu_mul if gated
+              else torch.ops.stallfree.quant_linear)
+        out = op(x, packed.data, n, k, packed.quant.code)
+        return out if bias is None else out + bias
+    out = F.linear(x, packed.unpack().to(x.dtype), bias)
+    return silu_mul(out) if gated else out
+
+
 def serves_every_call(packed: PackedWeight | None) -> bool:
     """Whether `packed` runs every matmul of its weight while its kernel is switched on, at
     any row count, so that the plain copy can go (`repack`): the float32 packings, and the
@@ -132,7 +148,8 @@ def serves_every_call(packed: PackedWeight | None) -> bool:
     than AMX_MAX_ROWS rows to torch, which reads the plain weight)."""
     if packed is None or not packed.readable:
         return False
-    return packed.layout.startswith("f32") or pair_kernel_max_rows() == sys.maxsize
+    return (packed.quant is not None or packed.layout.startswith("f32")
+            or pair_kernel_max_rows() == sys.maxsize)
 
 
 def plain_weight(weight: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
@@ -173,6 +190,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     `default_kernels`) chose or from `packed` (the `pack_weight` of `weight`) where either
     pays. `weight` None: dropped by `repack`."""
     kernels = ensure(kernels)
+    if packed is not None and packed.quant is not None:
+        return quant_linear(x, packed, bias, kernels)
     packed_fits = packed is not None and x.dim() == 2 and x.dtype == packed.data.dtype
     if packed_fits and packed.layout == "amx" and runs_packed(x.shape[0], kernels):
         out = torch.ops.stallfree.amx_linear(x, packed.data, packed.shape[0])
@@ -212,6 +231,8 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor | None,
     in one AMX pass that never stores the [T, 2I] products: at a 512-token chunk those
     and the two torch ops reading them back cost as much as the matmul's arithmetic."""
     kernels = ensure(kernels)
+    if packed is not None and packed.quant is not None:
+        return quant_linear(x, packed, None, kernels, gated=True)
     if (x.dim() == 2 and fuses_gate(packed, x.shape[0], kernels)
             and x.dtype == packed.data.dtype):
         fused = (torch.ops.stallfree.f32_linear_silu_mul if packed.layout == "f32_gated"
@@ -237,6 +258,8 @@ class Linear(nn.Linear):
 
     def prepack(self, kernels: KernelTable | None = None) -> None:
         self.kernels = ensure(kernels)
+        if self.packed is not None and self.packed.quant is not None:
+            return  # quantized at load, and kept so on every table (its torch path dequantizes)
         self.packed = repack(self, self.packed, self.gated, self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -188,9 +188,13 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
         embed = self.model.embed_tokens
         if self.logits_from_embedding:
-            self.logits_packed = repack(embed, self.logits_packed, kernels=kernels)
+            quantized = self.logits_packed is not None and self.logits_packed.quant is not None
+            if not quantized:  # a quantized matrix stays as loaded
+                self.logits_packed = repack(embed, self.logits_packed, kernels=kernels)
             # Where the plain matrix went, the embedding's lookups read the packing.
             embed.packed = self.logits_packed if embed.weight is None else None
+        if embed is not None:
+            embed.dtype = dtype
         layouts = sorted({p.layout for *_, p in self._packings()})
         if layouts:
             held = self.held_bytes()

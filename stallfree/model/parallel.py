@@ -94,11 +94,13 @@ class VocabParallelEmbedding(torch.nn.Module):
     # Set by the model's prepack where the LM head's packing holds this matrix and the
     # plain weight went (linear.repack): rows are read from the packing then.
     packed: PackedWeight | None = None
+    # The model's dtype, for rows read from a quantized packing (dequantized in float32).
+    dtype: torch.dtype = torch.float32
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return torch.nn.functional.embedding(ids, self.weight)
-        return self.packed.rows(ids)
+        return self.packed.rows(ids).to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:

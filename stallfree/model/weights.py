@@ -64,9 +64,9 @@ class WeightFiller:
             return name in self.params  # only the stages that hold them
         return True  # unknown names fail loudly in load()
 
-    def load(self, name: str, fetch: Fetch) -> None:
-        if not self.wants(name):
-            return
+    def locate(self, name: str) -> tuple[str, tuple[int, int] | None, int | None, int, int]:
+        """Where checkpoint tensor `name` goes: (our parameter's name, its rows [lo, hi) or
+        None for all, and the slice this rank reads: dimension or None, lo, hi)."""
         target, rows = name, None
         m = self._LAYER.match(name)
         if m:  # layer numbers are local to the stage
@@ -78,6 +78,12 @@ class WeightFiller:
             fused, index = self._FUSED[part.group(1)]
             target = target.replace(f".{part.group(1)}.", f".{fused}.")
             rows = self.row_ranges[fused][index]
+        return target, rows, dim, lo, hi
+
+    def load(self, name: str, fetch: Fetch) -> None:
+        if not self.wants(name):
+            return
+        target, rows, dim, lo, hi = self.locate(name)
         param = self.params.get(target)
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")

@@ -30,6 +30,7 @@ using NormSig = Tensor(const Tensor&, const Tensor&, double);
 using AddNormSig = Tensor(const Tensor&, Tensor&, const Tensor&, double);
 using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, bool);
 using F32LinearSig = Tensor(const Tensor&, const Tensor&, int64_t);
+using QuantLinearSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
 using RopeSig = void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&, int64_t,
                      int64_t);
 using PrefillSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -49,6 +50,10 @@ struct Kernels {
       find<F32LinearSig>("stallfree::f32_linear");
   c10::TypedOperatorHandle<F32LinearSig> f32_gated =
       find<F32LinearSig>("stallfree::f32_linear_silu_mul");
+  c10::TypedOperatorHandle<QuantLinearSig> quant_linear =
+      find<QuantLinearSig>("stallfree::quant_linear");
+  c10::TypedOperatorHandle<QuantLinearSig> quant_gated =
+      find<QuantLinearSig>("stallfree::quant_linear_silu_mul");
   c10::TypedOperatorHandle<RopeSig> rope_cache = find<RopeSig>("stallfree::rope_cache");
   c10::TypedOperatorHandle<PrefillSig> paged_prefill =
       find<PrefillSig>("stallfree::paged_prefill");
@@ -61,11 +66,17 @@ const Kernels& kernels() {
 }
 
 // Per layer, in this order: input norm weight, qkv (amx packing), o (amx), post-attention
-// norm weight, gate/up (amx_gated packing), down (amx); for float32, the f32 packings.
+// norm weight, gate/up (amx_gated packing), down (amx); for float32, the f32 packings; any
+// of the four matmuls' may instead be quant rows (quant_linear.cpp), in any dtype.
 constexpr int64_t kWeightsPerLayer = 6;
+constexpr int64_t kMatmulsPerLayer = 4;  // qkv, o, gate/up, down: their quant formats' slots
 
-// x @ W.T from W's packing (gated: silu(gate) * up) in the matmul kernel of x's dtype.
-Tensor matmul(const Kernels& k, const Tensor& x, const Tensor& packed, int64_t n, bool gated) {
+// x @ W.T from W's packing (gated: silu(gate) * up): quant rows of format `quant` (> 0), else
+// the matmul kernel of x's dtype.
+Tensor matmul(const Kernels& k, const Tensor& x, const Tensor& packed, int64_t n, bool gated,
+              int64_t quant) {
+  if (quant > 0)
+    return (gated ? k.quant_gated : k.quant_linear).call(x, packed, n, x.size(1), quant);
   if (x.scalar_type() == at::kFloat)
     return (gated ? k.f32_gated : k.f32_linear).call(x, packed, n);
   return (gated ? k.gated : k.linear).call(x, packed, n, true);
@@ -106,13 +117,16 @@ std::tuple<Tensor, Tensor> decoder_layers(
     const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
     const Tensor& decode_lens, at::TensorList prefill, int64_t prefill_rows, int64_t heads,
     int64_t kv_heads, int64_t gate_up_features, double eps, double scale, bool attention_tiles,
-    const std::optional<Tensor>& final_norm) {
+    const std::optional<Tensor>& final_norm, at::IntArrayRef quant_formats) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
               "kv_cache [layers, 2, blocks, block_size, Hkv, D] expected");
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights per layer expected for ", layers,
               " layers, got ", weights.size());
+  TORCH_CHECK(quant_formats.empty() ||
+                  static_cast<int64_t>(quant_formats.size()) == layers * kMatmulsPerLayer,
+              "decoder_layers: ", kMatmulsPerLayer, " quant formats per layer expected");
   TORCH_CHECK(prefill_rows == 0 || prefill.size() == 3,
               "decoder_layers: prefill rows need [block tables, query lens, context lens]");
   const Kernels& k = kernels();
@@ -123,6 +137,9 @@ std::tuple<Tensor, Tensor> decoder_layers(
   Tensor residual;  // the first layer's stream is x itself
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = weights.data() + i * kWeightsPerLayer;
+    int64_t quant[kMatmulsPerLayer] = {0, 0, 0, 0};
+    for (int64_t j = 0; j < kMatmulsPerLayer && !quant_formats.empty(); ++j)
+      quant[j] = quant_formats[i * kMatmulsPerLayer + j];
     Tensor cache = kv_cache.select(0, i);
     Tensor h;
     if (residual.defined()) {
@@ -131,13 +148,15 @@ std::tuple<Tensor, Tensor> decoder_layers(
       h = k.rms_norm.call(x, w[0], eps);
       residual = x;
     }
-    Tensor qkv = matmul(k, h, w[1], qkv_features, false);
+    Tensor qkv = matmul(k, h, w[1], qkv_features, false, quant[0]);
     k.rope_cache.call(qkv, cos, sin, cache, slot_mapping, heads, kv_heads);
     const Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, dim});
     const Tensor o =
-        matmul(k, attend(k, q, cache, attention).reshape({rows, q_size}), w[2], hidden, false);
+        matmul(k, attend(k, q, cache, attention).reshape({rows, q_size}), w[2], hidden, false,
+               quant[1]);
     h = k.add_rms_norm.call(o, residual, w[3], eps);
-    x = matmul(k, matmul(k, h, w[4], gate_up_features, true), w[5], hidden, false);
+    x = matmul(k, matmul(k, h, w[4], gate_up_features, true, quant[2]), w[5], hidden, false,
+               quant[3]);
   }
   if (final_norm.has_value() && residual.defined())
     x = k.add_rms_norm.call(x, residual, *final_norm, eps);
@@ -150,7 +169,8 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor decode_tables, Tensor decode_lens, "
         "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int gate_up_features, "
-        "float eps, float scale, bool attention_tiles, Tensor? final_norm=None) "
+        "float eps, float scale, bool attention_tiles, Tensor? final_norm=None, "
+        "int[] quant_formats=[]) "
         "-> (Tensor, Tensor)");
 }
 
