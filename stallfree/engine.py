@@ -87,12 +87,13 @@ class LLMEngine:
         dtype_name, why = choose_dtype(config.dtype, self.device.type)
         logger.info("dtype %s (%s); %d compute threads", dtype_name, why, threads)
         self.dtype = getattr(torch, dtype_name)
-        self.executor, self.model_config, self.kernels = make_executor(config, self.device,
-                                                                       dtype_name)
+        self.executor, self.model_config, self.kernels, weights = make_executor(
+            config, self.device, dtype_name)
         for op, impl, reason in self.kernels.rows():
             logger.info("kernel %s: %s (%s)", op, impl, reason)
+        logger.info("matmul weights: %s", weights)
         self.info = EngineInfo(self.device.type, dtype_name, why, threads, huge_pages.status(),
-                               self.kernels.rows())
+                               self.kernels.rows(), weights)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # Thread-safe: the server submits a request's grammar before queueing it.

@@ -176,3 +176,5 @@ class EngineInfo:
     huge_pages: str = "unknown"  # whether torch's big buffers get 2 MiB pages, and why
     # The kernel table: (op, implementation, why) per op (stallfree/model/kernel_table.py).
     kernels: tuple[tuple[str, str, str], ...] = ()
+    # The matmul weights' types and bits per weight ("q4_32 x120 (6 bits/weight), ...").
+    weights: str = ""

@@ -13,7 +13,8 @@ from .args import add_setting_args, pick, settings_from_args
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("info", help="hardware facts and the kernel table an engine "
                                            "would use")
-    add_setting_args(p, pick(EngineConfig, "model", "dtype", "device", "threads", "kernels"))
+    add_setting_args(p, pick(EngineConfig, "model", "dtype", "device", "threads", "kernels",
+                                  "quantization"))
     add_setting_args(p, pick(ParallelConfig, "tensor_parallel_size"))
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
@@ -37,6 +38,21 @@ def _head_dim(model: str | None) -> int | None:
         return load_model_config(model).head_dim
     except (OSError, ValueError):
         return None
+
+
+def _weights(config: EngineConfig) -> str:
+    """What loading the model would do to its matmul weights (the `quantization` setting)."""
+    import torch
+
+    from ..model.loader import planned_weights
+    from ..model.parallel import Shard
+
+    device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
+    try:
+        return planned_weights(config.model, config.quantization, device,
+                               Shard(tp_size=config.parallel.tensor_parallel_size))
+    except (OSError, ValueError) as e:
+        return f"unknown ({e})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     hardware = [("cpu", f"{_cpu_name()}, {available_cores()} cores for this process"),
                 *facts.lines(), ("huge pages", huge_pages.status())]
     engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),
-              ("threads", str(threads)),
+              ("threads", str(threads)), ("weights", _weights(config)),
               ("head_dim", "unknown (no model)" if head_dim is None else str(head_dim))]
     if args.json:
         print(json.dumps({"hardware": dict(hardware), "engine": dict(engine),

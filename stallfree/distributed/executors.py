@@ -11,22 +11,23 @@ from ..model.config import ModelConfig
 from ..model.kernel_table import KernelTable, choose_kernels
 from ..model.loader import load_model, load_model_config
 from ..model.parallel import Shard
+from ..model.quant_load import describe as describe_weights
 from .distributed_executor import DistributedExecutor, threads_per_worker
 from .worker import WorkerConfig
 
 
 def make_executor(config: EngineConfig, device: torch.device,
-                  dtype_name: str) -> tuple[Executor, ModelConfig, KernelTable]:
-    """The executor, the model's config and its kernel table (under TP/PP, as this machine
-    chooses it: each worker logs its own). A kernel the settings ask for that cannot run
-    here fails before any weight loads."""
+                  dtype_name: str) -> tuple[Executor, ModelConfig, KernelTable, str]:
+    """The executor, the model's config, its kernel table (under TP/PP, as this machine
+    chooses it: each worker logs its own) and its matmul weights' types. A kernel the
+    settings ask for that cannot run here fails before any weight loads."""
     parallel, dtype = config.parallel, getattr(torch, dtype_name)
     if parallel.world_size == 1:
         choose_kernels(config.kernels, dtype=dtype, device_type=device.type)
         model, model_config = load_model(config.model, dtype, device, kernels=config.kernels,
                                          quantization=config.quantization)
         return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
-                model.kernels)
+                model.kernels, describe_weights(model))
     model_config = load_model_config(config.model)
     table = choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
                            tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim)
@@ -37,4 +38,5 @@ def make_executor(config: EngineConfig, device: torch.device,
                                  parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                  config.seed, threads, dict(config.kernels),
                                  config.quantization)
-    return DistributedExecutor(worker_config, parallel), model_config, table
+    return (DistributedExecutor(worker_config, parallel), model_config, table,
+            f"in the workers (quantization={config.quantization}; each logs its own)")

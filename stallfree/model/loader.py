@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
@@ -15,6 +16,7 @@ from .gguf import gguf_named_tensors, gguf_tensors
 from .gguf_index import read_gguf
 from .llama import LlamaForCausalLM
 from .parallel import Shard
+from .quant_formats import gguf_format
 from .quant_load import (
     QUANTIZATION_CHOICES,
     GGUFQuantPlan,
@@ -45,15 +47,16 @@ def default_model_path() -> str:
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                shard: Shard | None = None, kernels: Mapping[str, str] | None = None,
-               quantization: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a GGUF file or HF directory (None: the default model) onto `device` in `dtype`;
     with a `shard`, only that rank's part of the weights is read. `kernels`: the kernel
     table's overrides (op -> implementation, kernel_ops.py); the model's choices are in
-    `model.kernels`. `quantization`: which weights stay or become quantized (quant_load.py)."""
+    `model.kernels`. `quantization`: which weights stay or become quantized (quant_load.py;
+    the engine's setting, whose default is "auto"; here the plain float model is the default)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                          f"got {quantization!r}")
-    path, is_dir = _resolve(path)
+    path, is_dir = resolve_model_path(path)
     device, shard = torch.device(device), shard or Shard()
     if is_dir:
         model, config = _load_hf_dir(path, dtype, device, shard)
@@ -68,13 +71,14 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
 def load_model_config(path: str | None) -> ModelConfig:
     """The architecture alone (metadata only, no weights): what an engine whose
     weights live in worker processes needs."""
-    path, is_dir = _resolve(path)
+    path, is_dir = resolve_model_path(path)
     if is_dir:
         return _hf_config(path)
     return read_gguf(path)[0]
 
 
-def _resolve(path: str | None) -> tuple[str, bool]:
+def resolve_model_path(path: str | None) -> tuple[str, bool]:
+    """(the model's path, whether it is a Hugging Face directory); None: the default model."""
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
         return path, True
@@ -175,7 +179,7 @@ def _as_set(value: int | list[int] | None) -> set[int]:
 # ---------------------------------------------------------------- GGUF
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard,
-               quantization: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     config, tensors = read_gguf(path)
     plan = None
     reason = keep_gguf_types_reason(quantization, device, shard)
@@ -195,3 +199,26 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard
         plan.install(model, config)
     filler.check_complete()
     return model, config
+
+
+# ---------------------------------------------------------------- what a load would do
+
+def planned_weights(path: str | None, quantization: str, device: torch.device,
+                    shard: Shard) -> str:
+    """What a load with these settings does to the matmul weights, from the file's metadata
+    alone (`stallfree info`)."""
+    path, is_dir = resolve_model_path(path)
+    if is_dir:
+        return ("float checkpoint, quantized to per-channel int8 at load"
+                if quantization == "int8" else "float checkpoint, kept in dtype")
+    _, tensors = read_gguf(path)
+    types: dict[str, int] = defaultdict(int)
+    for t in tensors:
+        if len(t.shape) == 2:
+            types[t.tensor_type.name] += 1
+    listed = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()))
+    reason = keep_gguf_types_reason(quantization, device, shard)
+    if reason is not None:
+        return f"GGUF {listed}: dequantized to dtype ({reason})"
+    kept = sorted({gguf_format(name).name for name in types if gguf_format(name) is not None})
+    return f"GGUF {listed}: kept quantized as {', '.join(kept) or 'nothing'}"

@@ -263,4 +263,5 @@ def fuse(parts: list[tuple[torch.Tensor, QuantFormat]], k: int
     if len(formats) == 1:
         return torch.cat([rows for rows, _ in parts]), formats.pop()
     common = FORMATS["q8_16m"]
-    return torch.cat([rows if fmt == common else widen(rows, fmt, k) for rows, fmt in parts]), common
+    widened = [rows if fmt == common else widen(rows, fmt, k) for rows, fmt in parts]
+    return torch.cat(widened), common

@@ -155,3 +155,4 @@ def describe(model: nn.Module) -> str:
     return ", ".join(f"{name} x{count}" + (f" ({formats[name].bits_per_weight():g} bits/weight)"
                                              if name in formats else "")
                      for name, count in sorted(types.items()))
+

@@ -97,8 +97,9 @@ class ServerMetrics:
                                        "Times failed workers were restarted (requests recomputed).")
         self._prefix_seen = (0, 0)  # the engine's prefix cache queries and hits, counted
         self._engine_info = Info("stallfree:engine", "How the engine runs: device, dtype (and "
-                                 "why auto chose it), compute threads, huge pages, and the "
-                                 "kernel table (op=implementation, comma-separated).",
+                                 "why auto chose it), compute threads, huge pages, the matmul "
+                                 "weights' types, and the kernel table (op=implementation, "
+                                 "comma-separated).",
                                  registry=registry)
 
     def watch_grammars(self, grammars: GrammarCompileService) -> None:
@@ -125,6 +126,7 @@ class ServerMetrics:
         self._engine_info.info({"model_name": self.model_name, "device": info.device,
                                 "dtype": info.dtype, "dtype_reason": info.dtype_reason,
                                 "threads": str(info.threads), "huge_pages": info.huge_pages,
+                                "weights": info.weights,
                                 "kernels": ",".join(f"{op}={impl}"
                                                     for op, impl, _ in info.kernels)})
 
