@@ -5,9 +5,10 @@ Run: .venv/bin/python benchmarks/process_memory.py [--dtypes bfloat16 float32]
 
 Each dtype and `quantization` setting runs in a child process of its own (peak memory is
 per process): it loads the model, generates 32 tokens, and reports the kernel's counts for
-the process (VmHWM, the peak resident set; VmRSS, the resident set at the end) beside what the model holds: its
-weights as loaded, their packings for the CPU kernels, the plain matrices kept beside
-those (linear.repack drops them where a packing serves every call), and the KV cache.
+the process (VmHWM, the peak resident set; VmRSS, the resident set at the end) beside what
+the model holds: its weights as held, their packings for the CPU kernels (quantized ones
+included), the plain matrices kept beside those (linear.repack drops them where a packing
+serves every call), and the KV cache.
 """
 from __future__ import annotations
 
