@@ -13,6 +13,8 @@ Paths, timed in turn within every round (interleaved, so a load change hits them
   torch    F.linear on the plain weight (oneDNN reorders it at every call)
 --dtype float32: float32 weights, and the paths f32 (csrc/f32_linear.cpp on its packing),
 onednn and torch.
+In either dtype, also the weights kept quantized (csrc/quant_linear.cpp): q4_32 (GGUF's
+Q4_1 values, 6 bits/weight) and q8_32 (int8 per output channel, 9 bits/weight).
 Prints the median ms per pass over all 120 matrices, the weight bytes streamed per second
 and the matmul rate, with the CPU's flags.
 --gated: only the MLP's gate/up weights, each followed by SiLU x up: `fused` (the AMX
@@ -41,6 +43,7 @@ from stallfree.model.linear import (
     silu_mul,
 )
 from stallfree.model.loader import default_model_path, load_model_config
+from stallfree.model.quant_formats import FORMATS, quantize_int8
 
 
 def model_shapes() -> list[tuple[int, int]]:
@@ -87,7 +90,27 @@ def plain_paths(weights: list[list[torch.Tensor]], shapes: list[tuple[int, int]]
     if dtype == torch.bfloat16 and unavailable_reason() is None:
         paths["skinny"] = lambda x, i, j: ops.skinny_linear(x, weights[i][j])
     paths["torch"] = lambda x, i, j: F.linear(x, weights[i][j])
+    if unavailable_reason() is None:
+        for fmt, quantize in (("q4_32", q4_rows), ("q8_32", quantize_int8)):
+            code = FORMATS[fmt].code
+            rows = [[ops.quant_pack_panels(quantize(w), w.shape[1], code) for w in layer]
+                    for layer in weights]
+            paths[fmt] = (lambda x, i, j, rows=rows, code=code:
+                          ops.quant_linear(x, rows[i][j], *shapes[j], code))
     return paths
+
+
+def q4_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] as q4_32 rows: per group of 32, 4-bit values between the group's min and max
+    (Q4_1's rule)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // 32, 32)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    q = torch.round((w - low) / torch.where(scale > 0, scale, 1)).clamp(0, 15).to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+    return torch.cat([packed, scale.reshape(n, -1).contiguous().view(torch.uint8),
+                      low.reshape(n, -1).contiguous().view(torch.uint8)], dim=1)
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ class PackedWeight:
     """A weight [out, in] reordered once for a matmul: `layout` "amx" (csrc/amx_linear.cpp's
     tiles), "f32" (csrc/f32_linear.cpp's blocks), either "_gated" (gate and up blocks
     alternating, `gated_linear`), "onednn" (oneDNN's blocked layout, opaque here), or a
-    quantized format's name (quant_formats.FORMATS: rows in the plain order, quantized; a
-    [gate; up] weight stays in that order). `shape`: the plain weight's [out, in]."""
+    quantized format's name (quant_formats.FORMATS; the rows in csrc/quant_panels.h's panels,
+    a [gate; up] weight in that order). `shape`: the plain weight's [out, in]."""
 
     data: torch.Tensor
     layout: str
@@ -69,7 +69,7 @@ class PackedWeight:
         stores float32 matmul weights (loader._column_major_matmul_weights), bf16 row-major."""
         n, k = self.shape
         if self.quant is not None:  # float32 row-major
-            return quant_formats.dequantize(self.data, self.quant, k)
+            return self._quant_rows(torch.arange(n))
         blocks = self._blocks()
         if self.layout.endswith("_gated"):  # gate 0, up 0, gate 1, ...: the gates first again
             blocks = blocks.unflatten(0, (-1, 2)).transpose(0, 1).flatten(0, 1)
@@ -84,11 +84,19 @@ class PackedWeight:
         if self.layout.endswith("_gated"):
             raise ValueError("rows of a gated packing are not looked up")
         if self.quant is not None:
-            return quant_formats.select_rows(self.data, self.quant, self.shape[1], ids)
+            return self._quant_rows(ids)
         if self.readable and self.data.device.type == "cpu" and unavailable_reason() is None:
             return torch.ops.stallfree.packed_rows(self.data, ids.long(), *self.shape,
                                                    self.layout == "amx")
         return self.rows_by_index(ids)
+
+    def _quant_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a quantized packing (csrc/quant_panels.h's panels), dequantized to
+        float32 [*ids.shape, in]."""
+        n, k = self.shape
+        flat = ids.reshape(-1)
+        rows = torch.ops.stallfree.quant_panel_rows(self.data, flat, n, k, self.quant.code)
+        return quant_formats.dequantize(rows, self.quant, k).reshape(*ids.shape, k)
 
     def rows_by_index(self, ids: torch.Tensor) -> torch.Tensor:
         """`rows` in torch index ops, the reference (a negative id would wrap around)."""

@@ -103,9 +103,16 @@ class GGUFQuantPlan:
                 rows.append((gguf_quant_rows(tensor, name, config),
                              gguf_format(tensor.tensor_type)))
             fused, fmt = fuse(rows, k)
-            install(model, module_name, PackedWeight(fused, fmt.name, (fused.shape[0], k)))
+            install(model, module_name, panels(fused, fmt, k))
         if self.modules:
             logger.info("weights kept quantized: %s", describe(model))
+
+
+def panels(rows: torch.Tensor, fmt: QuantFormat, k: int) -> PackedWeight:
+    """Quant rows reordered into the kernel's panels (csrc/quant_panels.h: 8 rows side by
+    side per block), which the packing holds instead: the model keeps one copy."""
+    data = torch.ops.stallfree.quant_pack_panels(rows.contiguous(), k, fmt.code)
+    return PackedWeight(data, fmt.name, (rows.shape[0], k))
 
 
 def install(model: nn.Module, module_name: str, packed: PackedWeight) -> None:
@@ -123,11 +130,16 @@ def quantize_to_int8(model: nn.Module) -> None:
                if isinstance(m, nn.Linear) and m.weight is not None]
     if model.logits_from_embedding and model.model.embed_tokens.weight is not None:
         targets.append(("model.embed_tokens", model.model.embed_tokens))
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"quantization=int8 needs the CPU kernels: {reason}")
     for name, module in targets:
         weight = module.weight
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantization=int8 runs on CPU only, not {weight.device.type}")
         if weight.dim() == 2 and weight.shape[1] % 32 == 0:
-            install(model, name, PackedWeight(quantize_int8(weight.detach()), "q8_32",
-                                              tuple(weight.shape)))
+            install(model, name, panels(quantize_int8(weight.detach()), FORMATS["q8_32"],
+                                        weight.shape[1]))
     logger.info("weights quantized to int8: %s", describe(model))
 
 
