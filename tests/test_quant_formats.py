@@ -72,9 +72,9 @@ def test_from_gguf_matches_gguf_dequantize(name: str, n: int, blocks: int, seed:
 
 def test_formats_and_bits_per_weight() -> None:
     assert {f.name: f.code for f in FORMATS.values()} == {
-        "q4_32": 1, "q8_32": 2, "q8_32m": 3, "q8_16": 4}
+        "q4_32": 1, "q8_32": 2, "q8_32m": 3, "q8_16": 4, "q8_16m": 5}
     assert {f.name: f.bits_per_weight() for f in FORMATS.values()} == {
-        "q4_32": 6.0, "q8_32": 9.0, "q8_32m": 10.0, "q8_16": 10.0}
+        "q4_32": 6.0, "q8_32": 9.0, "q8_32m": 10.0, "q8_16": 10.0, "q8_16m": 12.0}
     assert FORMATS["q4_32"].row_bytes(576) == 288 + 18 * 8
     for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
               GGMLQuantizationType.BF16, GGMLQuantizationType.Q5_0):

@@ -114,6 +114,7 @@ class _Inputs:
     dtype: torch.dtype | None  # None: any (each call checks its tensors' dtype)
     tp_size: int
     head_dim: int | None  # None: any (each call checks its shapes)
+    quantized: bool  # some matmul weights are kept quantized
 
 
 def _matmul_bf16(i: _Inputs, _: dict[str, Choice]) -> list[Candidate]:
@@ -180,7 +181,8 @@ def _rope_cache(i: _Inputs, _: dict[str, Choice]) -> list[Candidate]:
 def _layer_loop(i: _Inputs, chosen: dict[str, Choice]) -> list[Candidate]:
     f32 = chosen["matmul_f32"].kernel and i.dtype in (None, torch.float32)
     bf16 = chosen["matmul_bf16"].impl in PAIR_KERNEL and i.dtype in (None, torch.bfloat16)
-    quant = chosen["matmul_quant"].kernel  # any dtype: the kernel converts x and its output
+    # Quantized weights run in their kernel in any dtype (it converts x and its output).
+    quant = i.quantized and chosen["matmul_quant"].kernel
     can = _first(i.facts.library,
                  "tensor parallelism (an all-reduce between a layer's kernels)"
                  if i.tp_size > 1 else None,
@@ -223,9 +225,10 @@ def _pick(op: str, candidates: list[Candidate], asked: str | None) -> Choice:
 def choose_kernels(overrides: Mapping[str, str] | str | None = None, *,
                    dtype: torch.dtype | None = None, device_type: str = "cpu",
                    tp_size: int = 1, head_dim: int | None = None,
-                   facts: KernelFacts | None = None) -> KernelTable:
+                   facts: KernelFacts | None = None, quantized: bool = False) -> KernelTable:
     """Each op's implementation for a model in `dtype` on `device_type` (None: any dtype,
-    each call checks its own), `overrides` (op -> impl) taken where they can run."""
+    each call checks its own) whose matmul weights are `quantized` or not, `overrides` (op ->
+    impl) taken where they can run."""
     asked = check_kernels(overrides)
     facts = facts or KernelFacts.here()
     if device_type != "cpu":
@@ -235,7 +238,7 @@ def choose_kernels(overrides: Mapping[str, str] | str | None = None, *,
         where = f"on {device_type}: torch's own kernels"
         return KernelTable(**{op: Choice(reference(op), where) for op in KERNEL_OPS},
                            facts=facts)
-    inputs = _Inputs(facts, dtype, tp_size, head_dim)
+    inputs = _Inputs(facts, dtype, tp_size, head_dim, quantized)
     chosen: dict[str, Choice] = {}
     for op, rule in _RULES.items():
         chosen[op] = _pick(op, rule(inputs, chosen), asked.get(op))

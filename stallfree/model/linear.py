@@ -131,8 +131,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
                  kernels: KernelTable, gated: bool = False) -> torch.Tensor:
     """x @ W.T (gated: silu(gate) * up) from quantized rows, in x's dtype."""
     n, k = packed.shape
-    if (kernels.matmul_quant.kernel and x.device.type == "cpu" and x.dim() == 2
-            and k % 32 == 0):
+    if kernels.matmul_quant.kernel and x.device.type == "cpu" and x.dim() == 2:
         op = (torch.ops.stallfree.quant_linear_silu_mul if gated
               else torch.ops.stallfree.quant_linear)
         out = op(x, packed.data, n, k, packed.quant.code)

@@ -179,8 +179,10 @@ class LlamaForCausalLM(nn.Module):
         values are final. Called again, it repacks for the new table."""
         dtype, device = self._dtype_and_device()
         self.kernel_overrides = check_kernels(overrides)
+        quantized = any(p.quant is not None for *_, p in self._packings())
         kernels = choose_kernels(overrides, dtype=dtype, device_type=device.type,
-                                 tp_size=self.shard.tp_size, head_dim=self.config.head_dim)
+                                 tp_size=self.shard.tp_size, head_dim=self.config.head_dim,
+                                 quantized=quantized)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(kernels)

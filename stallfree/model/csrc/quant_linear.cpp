@@ -11,8 +11,8 @@
 // the lanes, a block ends in one vector of 8 rows' sums, scaled by one vector of their
 // scales: no horizontal sums, and the float work is a fraction of the integer work. A
 // group's min term is its min times the float sum of x over the group. Each pass over a
-// panel serves up to 4 rows of x, and a row's result depends on its own row of x only, so
-// chunked and unchunked prefills agree.
+// panel serves up to 4 rows of x, and a row's result depends on its own row of x only,
+// whatever the batch around it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -254,8 +254,8 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& w, int64_t n, int64_t k
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && k > 0 && k % 32 == 0,
               "quant_linear: x [M, K] with K = ", k, " a positive multiple of 32 expected, got ",
               x_in.sizes());
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.numel() == panels_of(n) * f.panel_bytes(k),
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 &&
+                  w.size(0) == panels_of(n) && w.size(1) == f.panel_bytes(k),
               "quant_linear: the panels of ", n, " rows (", panels_of(n), " x ",
               f.panel_bytes(k), " bytes, quant_pack_panels) expected, got ", w.sizes());
   TORCH_CHECK(!gated || n % (2 * kPanelRows) == 0,

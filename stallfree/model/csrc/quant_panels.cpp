@@ -72,8 +72,8 @@ at::Tensor quant_pack_panels(const at::Tensor& rows, int64_t k, int64_t code) {
 at::Tensor quant_panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t n,
                             int64_t k, int64_t code) {
   const Format f = format_of(code);
-  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() &&
-                  panels.numel() == panels_of(n) * f.panel_bytes(k),
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 2 &&
+                  panels.size(0) == panels_of(n) && panels.size(1) == f.panel_bytes(k),
               "quant_panel_rows: panels of ", n, " rows and K = ", k, " expected");
   const at::Tensor index = ids.to(at::kLong).contiguous();
   const int64_t count = index.numel(), blocks = k / 32, stride = f.row_bytes(k);
