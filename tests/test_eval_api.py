@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def server():
+    # The weights dequantized: the scores are held to transformers' on the same weights.
     proc = ServerProcess("--served-model-name", MODEL, "--max-model-len", "512",
-                         "--dtype", "float32")
+                         "--dtype", "float32", "--quantization", "none")
     yield proc
     proc.stop()
 

@@ -23,7 +23,9 @@ PROMPTS = [f"Write one sentence about the number {i} and the colour "
 
 @pytest.fixture(scope="module")
 def server():
-    # float32: streams are compared with each other alone and batched (see conftest).
+    # float32: streams are compared with each other alone and batched (see conftest). The
+    # weights stay quantized, as the server runs by default: the offline engine it is
+    # compared with is `quantized_llm`.
     proc = ServerProcess("--served-model-name", MODEL, "other-name",
                          "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
     yield proc
@@ -71,12 +73,12 @@ def test_startup_heap_is_frozen_out_of_full_gc_passes(server):
     assert int(found.group(1)) > 50_000
 
 
-def test_sync_client_greedy_stream_equals_plain_equals_offline(client, default_llm):
+def test_sync_client_greedy_stream_equals_plain_equals_offline(client, quantized_llm):
     prompt = "The capital of France is"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, stream=True, **GREEDY))
-    offline = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    offline = quantized_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
     assert plain.choices[0].text == streamed == offline.text
     assert plain.choices[0].finish_reason == offline.finish_reason
     assert plain.usage.prompt_tokens == len(offline.prompt_token_ids)
@@ -90,7 +92,7 @@ def test_sync_client_greedy_stream_equals_plain_equals_offline(client, default_l
         model=MODEL, messages=messages, max_tokens=12, stream=True,
         stream_options={"include_usage": True}, **GREEDY))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    offline = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
+    offline = quantized_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == streamed == offline.text
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -135,11 +137,11 @@ SAMPLING_CASES = [
 
 @pytest.mark.parametrize("fields", SAMPLING_CASES,
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
-def test_sampling_fields_over_http_equal_offline(client, default_llm, fields):
+def test_sampling_fields_over_http_equal_offline(client, quantized_llm, fields):
     prompt = "Write a short list of fruits. First,"
     http = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
                                      extra_body=fields)
-    offline = default_llm.generate(prompt, SamplingParams(max_tokens=16, **fields))[0]
+    offline = quantized_llm.generate(prompt, SamplingParams(max_tokens=16, **fields))[0]
     assert http.choices[0].text == offline.text
     assert http.choices[0].finish_reason == offline.finish_reason
     assert http.usage.completion_tokens == len(offline.token_ids)
