@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GGUF file served three ways, one server at a time, measured by the same client
-# (`stallfree bench serve`, random 256-token prompts, 64 output tokens, EOS banned):
+# (`stallfree bench serve`, random 256-token prompts, 64 output tokens, every one generated):
 #   ours-q    stallfree, its weights kept quantized (--quantization auto)
 #   ours-f32  stallfree, its weights dequantized to float32 (--quantization none)
 #   llama     llama.cpp's llama-server on the same file (benchmarks/peers.md: building it)
@@ -24,19 +24,21 @@ up() { for _ in $(seq 1 300); do curl -sf "$url/health" >/dev/null && return 0; 
 run() {  # label args...
   local label=$1; shift
   timeout 900 "$PY" -m stallfree bench serve --base-url "$url" --dataset random \
-    --random-input-len 256 --random-output-len 64 --ban-token-ids 0,2 --disable-tqdm \
+    --random-input-len 256 --random-output-len 64 --disable-tqdm ${EXTRA[@]+"${EXTRA[@]}"} \
     --no-detail --label "$label" --result-file "$OUT/$label.json" "$@" > "$OUT/$label.txt" 2>&1
   "$PY" - "$OUT/$label.json" "$label" >> "$OUT/summary.md" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"| {sys.argv[2]} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
-      f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} |")
+f = lambda key, fmt: "n/a" if r.get(key) is None else format(r[key], fmt)
+print(f"| {sys.argv[2]} | {f('output_throughput', '.1f')} | {f('median_ttft_ms', '.0f')} | "
+      f"{f('median_itl_ms', '.1f')} | {f('p99_itl_ms', '.1f')} |")
 EOF
 }
 echo "CPU flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_int8|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')" > "$OUT/summary.md"
 echo "| run | output tok/s | median TTFT ms | median ITL ms | P99 ITL ms |" >> "$OUT/summary.md"
 echo "|---|---:|---:|---:|---:|" >> "$OUT/summary.md"
 for sys in $SYSTEMS; do
+  EXTRA=()
   case $sys in
     ours-q|ours-f32)
       q=$([ "$sys" = ours-q ] && echo auto || echo none)
@@ -44,6 +46,7 @@ for sys in $SYSTEMS; do
         --port "$port" --dtype float32 --quantization "$q" > "$OUT/$sys.log" 2>&1 &
       ;;
     llama)
+      EXTRA=(--ban-token-ids 0,2)  # it takes no ignore_eos: full-length outputs by banning EOS
       setsid "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}" -m "$GGUF" \
         --host 127.0.0.1 --port "$port" -c 16384 -np 32 --kv-unified -t "$THREADS" \
         > "$OUT/$sys.log" 2>&1 &
