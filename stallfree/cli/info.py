@@ -40,8 +40,9 @@ def _head_dim(model: str | None) -> int | None:
         return None
 
 
-def _weights(config: EngineConfig) -> str:
-    """What loading the model would do to its matmul weights (the `quantization` setting)."""
+def _weights(config: EngineConfig) -> tuple[str, bool]:
+    """What loading the model would do to its matmul weights (the `quantization` setting),
+    and whether some would be quantized."""
     import torch
 
     from ..model.loader import planned_weights
@@ -52,7 +53,7 @@ def _weights(config: EngineConfig) -> str:
         return planned_weights(config.model, config.quantization, device,
                                Shard(tp_size=config.parallel.tensor_parallel_size))
     except (OSError, ValueError) as e:
-        return f"unknown ({e})"
+        return f"unknown ({e})", False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,15 +76,16 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)  # the bf16 probe times this many, as the engine's does
     dtype_name, why = choose_dtype(config.dtype, device_type)
     head_dim = _head_dim(config.model)
+    weights, quantized = _weights(config)
     facts = KernelFacts.here()
     table = choose_kernels(config.kernels, dtype=getattr(torch, dtype_name),
                            device_type=device_type,
                            tp_size=config.parallel.tensor_parallel_size, head_dim=head_dim,
-                           facts=facts)
+                           facts=facts, quantized=quantized)
     hardware = [("cpu", f"{_cpu_name()}, {available_cores()} cores for this process"),
                 *facts.lines(), ("huge pages", huge_pages.status())]
     engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),
-              ("threads", str(threads)), ("weights", _weights(config)),
+              ("threads", str(threads)), ("weights", weights),
               ("head_dim", "unknown (no model)" if head_dim is None else str(head_dim))]
     if args.json:
         print(json.dumps({"hardware": dict(hardware), "engine": dict(engine),

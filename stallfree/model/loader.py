@@ -204,13 +204,14 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard
 # ---------------------------------------------------------------- what a load would do
 
 def planned_weights(path: str | None, quantization: str, device: torch.device,
-                    shard: Shard) -> str:
+                    shard: Shard) -> tuple[str, bool]:
     """What a load with these settings does to the matmul weights, from the file's metadata
-    alone (`stallfree info`)."""
+    alone (`stallfree info`), and whether some stay or become quantized."""
     path, is_dir = resolve_model_path(path)
     if is_dir:
-        return ("float checkpoint, quantized to per-channel int8 at load"
-                if quantization == "int8" else "float checkpoint, kept in dtype")
+        if quantization == "int8":
+            return "float checkpoint, quantized to per-channel int8 at load", True
+        return "float checkpoint, kept in dtype", False
     _, tensors = read_gguf(path)
     types: dict[str, int] = defaultdict(int)
     for t in tensors:
@@ -218,7 +219,9 @@ def planned_weights(path: str | None, quantization: str, device: torch.device,
             types[t.tensor_type.name] += 1
     listed = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()))
     reason = keep_gguf_types_reason(quantization, device, shard)
+    if quantization == "int8":
+        return f"GGUF {listed}: dequantized, then quantized to per-channel int8", True
     if reason is not None:
-        return f"GGUF {listed}: dequantized to dtype ({reason})"
+        return f"GGUF {listed}: dequantized to dtype ({reason})", False
     kept = sorted({gguf_format(name).name for name in types if gguf_format(name) is not None})
-    return f"GGUF {listed}: kept quantized as {', '.join(kept) or 'nothing'}"
+    return f"GGUF {listed}: kept quantized as {', '.join(kept) or 'nothing'}", bool(kept)
