@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/perplexity.py [--dtype float32] [--window 1024]
      .venv/bin/python benchmarks/perplexity.py --configs "quantization=none" \
-         "quantization=auto" "quantization=auto,kv_cache_dtype=int8"
+         "quantization=auto" "quantization=int8" "quantization=auto,dtype=bfloat16"
 
 The text is stallfree/data/text/perplexity_essay.txt (provenance in the README beside
 it). It is tokenized once and cut into windows of `--window` tokens without overlap; each
@@ -13,9 +13,8 @@ exp(-mean logprob) over every counted token.
 
 Each config (`key=value,key=value`, engine settings by the names LLM takes) builds an
 LLM on top of the flags' settings, scores the text, and shuts it down; a markdown table
-then compares them, the first being the baseline. `--quantization` and
-`--kv-cache-dtype` are passed to LLM only when given, so the script runs on engines that
-do not know them yet.
+then compares them, the first being the baseline. `--quantization` is passed to LLM only
+when given (the engine's default, auto, otherwise).
 """
 from __future__ import annotations
 
@@ -137,9 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="score only the text's first N tokens (quick runs)")
     parser.add_argument("--dtype", default="float32")
-    # Not every engine has these yet: default None means "not passed to LLM at all".
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--configs", nargs="+", default=None, metavar="K=V[,K=V]",
                         help="settings to compare, each over the flags' settings")
     args = parser.parse_args(argv)
@@ -147,8 +144,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     base: dict[str, object] = {"dtype": args.dtype}
     if args.quantization is not None:
         base["quantization"] = args.quantization
-    if args.kv_cache_dtype is not None:
-        base["kv_cache_dtype"] = args.kv_cache_dtype
 
     print(f"cpu flags: {vector_flags() or '(none found)'}")
     token_ids = _tokenize(args.model, args.text.read_text(encoding="utf-8"))

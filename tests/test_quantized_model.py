@@ -177,3 +177,33 @@ def test_int8_quantizes_every_matmul_of_a_float_checkpoint(tiny_pair):
 def test_an_unknown_quantization_is_refused_before_loading():
     with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
         LLM(quantization="fp4")
+
+
+@needs_kernels
+def test_a_gate_not_in_whole_panels_runs_unfused(tmp_path):
+    """An intermediate size that is no multiple of 8 puts the up rows inside a panel of 8:
+    the gate/up matmul then runs unfused and the layers in Python, near the reference (the
+    weights dequantized; the difference is x's int8 rounding)."""
+    from stallfree.model.layer_loop import LayerLoop
+    from stallfree.model.linear import gated_linear
+    from stallfree.model.loader import load_model
+    from stallfree.model.parallel import Shard
+    from tiny_models import save_tiny_model
+
+    path = save_tiny_model(tmp_path, intermediate_size=100)
+    model, _ = load_model(path, torch.float32, "cpu", quantization="int8")
+    loop_table = choose_kernels(dtype=torch.float32, quantized=True)  # one that runs the loop
+    assert LayerLoop.build(model.model.layers, Shard(), loop_table)[1] == \
+        "gate/up is quantized with its up rows inside a panel of 8"
+    packed = model.model.layers[0].mlp.gate_up_proj.packed
+    x = torch.randn(3, model.config.hidden_size)
+    ours = gated_linear(x, None, packed, model.kernels)
+    reference = gated_linear(x, None, packed, choose_kernels({"matmul_quant": "torch"}))
+    assert ours.shape == reference.shape == (3, 100)
+    assert (ours - reference).abs().max() <= 0.05 * reference.abs().max() + 1e-4
+
+
+def test_describe_names_float_weights_held_in_packings(default_llm):
+    from stallfree.model.quant_load import describe
+
+    assert describe(default_llm.engine.executor.model).startswith("float32 x")

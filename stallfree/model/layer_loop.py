@@ -54,6 +54,8 @@ def _unfit_reason(layers: Sequence[nn.Module], shard: Shard,
             if module.packed is not None and module.packed.quant is not None:
                 if not kernels.matmul_quant.kernel:
                     return f"{name} is quantized and matmul_quant runs in torch"
+                if name == "gate_up_proj" and not linear.fuses_quant_gate(module.packed):
+                    return "gate/up is quantized with its up rows inside a panel of 8"
             elif module.packed is None or module.packed.layout != want:
                 return f"{name} is not packed for the {kind} kernel (linear.pack_weight)"
     return None

@@ -132,12 +132,20 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     """x @ W.T (gated: silu(gate) * up) from quantized rows, in x's dtype."""
     n, k = packed.shape
     if kernels.matmul_quant.kernel and x.device.type == "cpu" and x.dim() == 2:
+        if gated and not fuses_quant_gate(packed):
+            return silu_mul(quant_linear(x, packed, None, kernels))
         op = (torch.ops.stallfree.quant_linear_silu_mul if gated
               else torch.ops.stallfree.quant_linear)
         out = op(x, packed.data, n, k, packed.quant.code)
         return out if bias is None else out + bias
     out = F.linear(x, packed.unpack().to(x.dtype), bias)
     return silu_mul(out) if gated else out
+
+
+def fuses_quant_gate(packed: PackedWeight) -> bool:
+    """Whether a quantized [gate; up] runs with SiLU x up fused: its up rows must start a
+    panel of 8 rows (csrc/quant_panels.h), so the gate's count must be a multiple of 8."""
+    return packed.shape[0] % 16 == 0
 
 
 def serves_every_call(packed: PackedWeight | None) -> bool:

@@ -215,8 +215,11 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear) and module.packed is not None:
                 yield f"{name}.weight", module, module.packed
+        embed = self.model.embed_tokens
         if self.logits_packed is not None:
-            yield "model.embed_tokens.weight", self.model.embed_tokens, self.logits_packed
+            yield "model.embed_tokens.weight", embed, self.logits_packed
+        elif embed is not None and embed.packed is not None:  # an untied, quantized one
+            yield "model.embed_tokens.weight", embed, embed.packed
 
     def _packed_only(self) -> Iterator[tuple[str, PackedWeight]]:
         """(weight name, packing) of each matrix whose plain copy went (linear.repack)."""

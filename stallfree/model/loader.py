@@ -58,6 +58,8 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                          f"got {quantization!r}")
     path, is_dir = resolve_model_path(path)
     device, shard = torch.device(device), shard or Shard()
+    if quantization == "int8" and device.type != "cpu":
+        raise ValueError(f"quantization=int8 runs on CPU only, not {device.type}")
     if is_dir:
         model, config = _load_hf_dir(path, dtype, device, shard)
     else:

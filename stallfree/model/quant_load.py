@@ -117,6 +117,11 @@ def panels(rows: torch.Tensor, fmt: QuantFormat, k: int) -> PackedWeight:
 
 def install(model: nn.Module, module_name: str, packed: PackedWeight) -> None:
     module = model.get_submodule(module_name)
+    want = ((module.out_features, module.in_features) if isinstance(module, nn.Linear)
+            else (module.hi - module.lo, model.config.hidden_size))
+    if tuple(packed.shape) != want:
+        raise ValueError(f"{module_name}: the checkpoint's quantized weight has shape "
+                         f"{tuple(packed.shape)}, expected {want}")
     module.weight = None
     module.packed = packed
     if isinstance(module, VocabParallelEmbedding) and model.logits_from_embedding:
@@ -146,17 +151,18 @@ def quantize_to_int8(model: nn.Module) -> None:
 def weight_types(model: nn.Module) -> dict[str, int]:
     """Matmul weights per type: a quant_formats name, or the float dtype's name."""
     counts: dict[str, int] = defaultdict(int)
-    seen = set()
+    seen: set[int] = set()  # a tied embedding's packing is the LM head's: counted once
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(module, nn.Linear) or packed is not None:
-            if id(packed) in seen and packed is not None:
-                continue
+        if not isinstance(module, nn.Linear) and packed is None or id(packed) in seen:
+            continue
+        if packed is not None:
             seen.add(id(packed))
-            if packed is not None and packed.quant is not None:
-                counts[packed.layout] += 1
-            elif module.weight is not None and isinstance(module, nn.Linear):
-                counts[str(module.weight.dtype).removeprefix("torch.")] += 1
+        if packed is not None and packed.quant is not None:
+            counts[packed.layout] += 1
+        else:  # a float weight, plain or in a packing that replaced it
+            tensor = module.weight if module.weight is not None else packed.data
+            counts[str(tensor.dtype).removeprefix("torch.")] += 1
     return dict(counts)
 
 

@@ -47,10 +47,13 @@ struct QuantizedX {
       for (int64_t b = b0; b < b1; ++b) {
         const float* v = x + b * 32;
         float amax = 0.f, lo = 0.f, hi = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        // A NaN in x makes the block's scale NaN, so it reaches the output as the float
+        // kernels' would (std::max would drop it, and NaN cast to int8 is undefined).
+        for (int i = 0; i < 32; ++i)
+          if (!(std::fabs(v[i]) <= amax)) amax = std::fabs(v[i]);
         for (int i = 0; i < 16; ++i) lo += v[i];
         for (int i = 16; i < 32; ++i) hi += v[i];
-        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const float d = amax / 127.f, inv = d > 0.f && d == d ? 1.f / d : 0.f;
         int32_t qlo = 0, qhi = 0;
         for (int i = 0; i < 32; ++i) {
           q[b * 32 + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
