@@ -16,7 +16,6 @@ from stallfree.model.quant_formats import (
     from_gguf,
     gguf_format,
     quantize_int8,
-    select_rows,
 )
 
 # Byte offsets of each type's float16 super-scales inside a block: random bytes there would
@@ -127,16 +126,6 @@ def test_quantize_int8_rejects_ragged_k() -> None:
         quantize_int8(torch.ones(2, 40))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q8_0"])
-def test_select_rows_equals_indexed_dequantize(name: str) -> None:
-    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-    k, n = 2 * block, 7
-    fmt = GGUF_FORMATS[name]
-    rows = torch.from_numpy(from_gguf(random_blocks(name, n, 2, seed=3), name, k))
-    ids = torch.tensor([[6, 0, 0], [2, 5, 6]])
-    got = select_rows(rows, fmt, k, ids)
-    assert got.shape == (2, 3, k)
-    assert torch.equal(got, dequantize(rows, fmt, k)[ids])
 
 
 def test_default_model_tensors() -> None:

@@ -9,7 +9,7 @@ from ..executor.base import Executor
 from ..executor.local import LocalExecutor
 from ..model.config import ModelConfig
 from ..model.kernel_table import KernelTable, choose_kernels
-from ..model.loader import load_model, load_model_config
+from ..model.loader import load_model, load_model_config, planned_weights
 from ..model.parallel import Shard
 from ..model.quant_load import describe as describe_weights
 from .distributed_executor import DistributedExecutor, threads_per_worker
@@ -29,14 +29,16 @@ def make_executor(config: EngineConfig, device: torch.device,
         return (LocalExecutor(model, model_config, dtype, device, config.seed), model_config,
                 model.kernels, describe_weights(model))
     model_config = load_model_config(config.model)
+    shard = Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size)
+    shard.check(model_config.num_hidden_layers, model_config.num_key_value_heads)
+    # What every worker's load does with the weights, from the file's metadata.
+    weights, quantized = planned_weights(config.model, config.quantization, device, shard)
     table = choose_kernels(config.kernels, dtype=dtype, device_type=device.type,
-                           tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim)
-    Shard(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size).check(
-        model_config.num_hidden_layers, model_config.num_key_value_heads)
+                           tp_size=parallel.tensor_parallel_size, head_dim=model_config.head_dim,
+                           quantized=quantized)
     threads = threads_per_worker(parallel.world_size, config.threads)
     worker_config = WorkerConfig(config.model, dtype_name, device.type,
                                  parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                  config.seed, threads, dict(config.kernels),
                                  config.quantization)
-    return (DistributedExecutor(worker_config, parallel), model_config, table,
-            f"in the workers (quantization={config.quantization}; each logs its own)")
+    return DistributedExecutor(worker_config, parallel), model_config, table, weights

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
 
 from .config import ModelConfig
 from .quant_formats import from_gguf
@@ -69,10 +68,8 @@ def gguf_quant_rows(t, name: str, config: ModelConfig) -> torch.Tensor:
     """Tensor `t` (of a type quant_formats keeps) as quant rows [N, row_bytes], in HF's row
     order: its blocks converted, never dequantized."""
     k = int(t.shape[0])  # GGUF lists the fastest dimension, a row's length, first
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[t.tensor_type][1]
-                                                     * (k // GGML_QUANT_SIZES[t.tensor_type][0]))
-    return torch.from_numpy(np.ascontiguousarray(_hf_rows(from_gguf(raw, t.tensor_type, k),
-                                                          name, config)))
+    rows = from_gguf(t.data, t.tensor_type, k)
+    return torch.from_numpy(np.ascontiguousarray(_hf_rows(rows, name, config)))
 
 
 def _hf_rows(data: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:

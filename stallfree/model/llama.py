@@ -190,8 +190,7 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
         embed = self.model.embed_tokens
         if self.logits_from_embedding:
-            quantized = self.logits_packed is not None and self.logits_packed.quant is not None
-            if not quantized:  # a quantized matrix stays as loaded
+            if self.logits_packed is None or self.logits_packed.quant is None:  # else as loaded
                 self.logits_packed = repack(embed, self.logits_packed, kernels=kernels)
             # Where the plain matrix went, the embedding's lookups read the packing.
             embed.packed = self.logits_packed if embed.weight is None else None

@@ -219,13 +219,6 @@ def dequantize(rows: torch.Tensor, fmt: QuantFormat, k: int) -> torch.Tensor:
     return out.reshape(rows.shape[0], k)
 
 
-def select_rows(rows: torch.Tensor, fmt: QuantFormat, k: int,
-                ids: torch.Tensor) -> torch.Tensor:
-    """float32 [*ids.shape, K]: only rows `ids`, dequantized (quantized embedding lookup)."""
-    picked = rows.index_select(0, ids.reshape(-1).to(device=rows.device, dtype=torch.long))
-    return dequantize(picked, fmt, k).reshape(*ids.shape, k)
-
-
 def quantize_int8(weight: torch.Tensor) -> torch.Tensor:
     """float [N, K] -> q8_32 rows: symmetric int8 with one scale per output channel (row),
     repeated in each group, so a float checkpoint runs on the same kernels as GGUF Q8_0."""
