@@ -241,11 +241,11 @@ using Matmul = void (*)(const uint8_t*, int64_t, const QuantizedX&, int64_t, int
 
 Matmul matmul_for(int64_t code) {
   switch (code) {
-    case 1: return matmul<4, 32, true>;
-    case 2: return matmul<8, 32, false>;
-    case 3: return matmul<8, 32, true>;
-    case 4: return matmul<8, 16, false>;
-    case 5: return matmul<8, 16, true>;
+#define STALLFREE_MATMUL_CASE(c, bits, group, has_min) \
+  case c:                                              \
+    return matmul<bits, group, has_min>;
+    STALLFREE_QUANT_FORMATS(STALLFREE_MATMUL_CASE)
+#undef STALLFREE_MATMUL_CASE
   }
   TORCH_CHECK(false, "quant_linear: unknown format code ", code);
   return nullptr;

@@ -35,13 +35,22 @@ struct Format {
   int64_t panel_bytes(int64_t k) const { return k / 32 * block_bytes(); }
 };
 
+// Every format once: X(code, bits, group, has_min), in quant_formats.py's codes. format_of
+// and quant_linear.cpp's kernel choice expand it.
+#define STALLFREE_QUANT_FORMATS(X) \
+  X(1, 4, 32, true)   /* q4_32 */  \
+  X(2, 8, 32, false)  /* q8_32 */  \
+  X(3, 8, 32, true)   /* q8_32m */ \
+  X(4, 8, 16, false)  /* q8_16 */  \
+  X(5, 8, 16, true)   /* q8_16m */
+
 inline Format format_of(int64_t code) {
   switch (code) {
-    case 1: return {4, 32, true};   // q4_32
-    case 2: return {8, 32, false};  // q8_32
-    case 3: return {8, 32, true};   // q8_32m
-    case 4: return {8, 16, false};  // q8_16
-    case 5: return {8, 16, true};   // q8_16m
+#define STALLFREE_FORMAT_CASE(c, bits, group, has_min) \
+  case c:                                              \
+    return {bits, group, has_min};
+    STALLFREE_QUANT_FORMATS(STALLFREE_FORMAT_CASE)
+#undef STALLFREE_FORMAT_CASE
   }
   TORCH_CHECK(false, "quant: unknown format code ", code);
   return {};
