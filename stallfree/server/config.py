@@ -13,6 +13,7 @@ from typing import Any
 from .. import env
 from ..config import option, parse_size
 from ..structured_outputs import CompileLimits
+from .tool_parser_registry import TOOL_CALL_PARSERS, check_tool_call_parser
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -182,6 +183,10 @@ class ServerConfig:
         None, "write every engine iteration (batch shape, wall and CPU time) to PATH as "
               "JSON lines; `stallfree simulate replay` reads it", metavar="PATH")
     uvicorn_log_level: str = option("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    tool_call_parser: str = option(
+        "auto", "how the model writes tool calls (tool_choice auto): hermes (JSON in "
+                "<tool_call> tags), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]); "
+                "auto: from the chat template", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -207,6 +212,7 @@ class ServerConfig:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+        check_tool_call_parser(self.tool_call_parser)
 
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name)

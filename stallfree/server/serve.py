@@ -45,6 +45,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     from .api import build_app
     from .connections import accept_backlog, fitted_limits, guarded_protocol, raise_fd_limit
     from .engine_thread import EngineThread
+    from .tool_parser_registry import choose_tool_parser
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = None
@@ -89,6 +90,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
                         public_metrics=server_config.public_metrics,
                         tokenizer_threads=server_config.tokenizer_threads,
                         on_fatal=stop_serving, engine_thread=engine_thread)
+        # How the model writes tool calls, chosen (and logged) at start-up.
+        app.state.tool_parser = choose_tool_parser(server_config.tool_call_parser,
+                                                   engine.tokenizer)
         host, port = server_config.host, server_config.port
         # Connections bounded below the open-file limit, and their header wait.
         fd_limit = raise_fd_limit()

@@ -2,10 +2,10 @@
 as OpenAI's `tool_calls` (whole, or streamed as deltas).
 
 `none`: the tools are not shown to the model and its text is the answer. `auto`: the
-model sees the tools and decides; calls it writes in its own format (tool_parser)
-become tool_calls. `required`: decoding is constrained to a JSON list of one or more
-calls of the given tools. A named function: decoding is constrained to that function's
-arguments.
+model sees the tools and decides; calls it writes in its own format (a ToolCallParser,
+chosen per server: tool_parser_registry) become tool_calls. `required`: decoding is
+constrained to a JSON list of one or more calls of the given tools. A named function:
+decoding is constrained to that function's arguments.
 """
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ from typing import Any
 
 from ..structured_outputs import ConstraintError, StructuredOutputs
 from .structured_protocol import Tool, ToolChoice
-from .tool_parser import ParsedCall, ToolCallSplitter, parse_calls, split_tool_calls
+from .tool_parser import (
+    HERMES,
+    ParsedCall,
+    ToolCallParser,
+    ToolCallSplitter,
+    parse_calls,
+    split_tool_calls,
+)
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -93,11 +100,12 @@ class ToolUse:
                                      source=f"tools[{index}].function.parameters")
         return None
 
-    def reply(self) -> ToolReply:
-        """A fresh reader of one choice's output."""
+    def reply(self, parser: ToolCallParser = HERMES) -> ToolReply:
+        """A fresh reader of one choice's output; `parser`: how the model writes calls
+        (read with tool_choice auto; the other choices constrain the output's form)."""
         known = [t.function.name for t in self.tools]
         if self.choice == "auto":
-            return ToolReply(known, self.parallel)
+            return ToolReply(known, self.parallel, parser)
         if self.choice == "required":
             return RequiredReply(known, self.parallel)
         if self.forced:
@@ -123,17 +131,19 @@ class TextReply:
 class ToolReply(TextReply):
     """tool_choice auto: calls in the model's own format become tool_calls."""
 
-    def __init__(self, known: list[str], parallel: bool = True) -> None:
+    def __init__(self, known: list[str], parallel: bool = True,
+                 parser: ToolCallParser = HERMES) -> None:
         self.known = known
         self.parallel = parallel
-        self._splitter = ToolCallSplitter(known)
+        self.parser = parser
+        self._splitter = ToolCallSplitter(known, parser)
         self._num_calls = 0  # streamed so far: the next call's index
 
     def _calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         return calls if self.parallel else calls[:max(0, 1 - self._num_calls)]
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        content, calls = split_tool_calls(text, self.known)
+        content, calls = split_tool_calls(text, self.known, self.parser)
         calls = self._calls(calls)
         if not calls:
             return {"content": text}, finish

@@ -17,12 +17,25 @@ from ..protocol import (
     ChatResponseMessage,
     Usage,
 )
-from ..state import StateDep, token_decoder
+from ..state import ServerState, StateDep, token_decoder
 from ..streaming import usage_of
+from ..tool_parser import ToolCallParser
+from ..tool_parser_registry import AUTO, choose_tool_parser
 from ..tools import TextReply
 from .generation import reply, start_call
 
 router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
+
+
+def _tool_parser(raw: Request, state: ServerState) -> ToolCallParser:
+    """How the app's model writes tool calls: `app.state.tool_parser`, which `serve` sets
+    from --tool-call-parser; an app built without one picks it from the chat template
+    once, on first use."""
+    app_state = raw.app.state
+    parser = getattr(app_state, "tool_parser", None)
+    if parser is None:
+        parser = app_state.tool_parser = choose_tool_parser(AUTO, state.llm_engine.tokenizer)
+    return parser
 
 
 def _choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
@@ -42,7 +55,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     call = await start_call(state, raw, "chatcmpl", "chat.completion.chunk", model, [ids],
                             params, arrival)
     # Each choice's text becomes content and/or tool calls (tools.py).
-    replies = [TextReply() if tools is None else tools.reply() for _ in range(params.n)]
+    parser = None if tools is None else _tool_parser(raw, state)
+    replies = [TextReply() if tools is None else tools.reply(parser) for _ in range(params.n)]
 
     def step_chunk(_: int, item: StepOutput) -> Any:
         delta, finish = replies[item.index].delta(item.new_text, item.finish_reason)
