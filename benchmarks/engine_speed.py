@@ -26,7 +26,7 @@ import torch
 from device_timing import device_name, synchronize
 
 from stallfree.kernel_ops import parse_kernels
-from stallfree.model.llama import kv_cache_bytes_per_token
+from stallfree.model.decoder import kv_cache_bytes_per_token
 
 PREFILL = {"prefill_attention"}  # compared on prefill chunks
 DECODE_ROUNDS = 3

@@ -12,7 +12,7 @@ tens of ms):
 - schedule: `next_micro_batch` (the policy, block allocation, prefix lookups);
 - inputs: the runner's work before the forward: token and position lists, KV block
   cleaning, attention metadata;
-- forward: the decoder layers (`LlamaForCausalLM.forward`);
+- forward: the decoder layers (`CausalLM.forward`);
 - logits + sampling: the LM head over the sampled rows, the sampler, logprobs;
 - bookkeeping: the rest of `LLMEngine.step`: applying tokens, stop checks,
   detokenizing, outputs, the iteration record.

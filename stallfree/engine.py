@@ -23,7 +23,7 @@ from .config import (
 from .distributed.executors import make_executor
 from .executor.cost_probe import calibrate
 from .executor.hardware import available_cores, probe_cpu_bf16
-from .model.llama import kv_cache_bytes_per_token
+from .model.decoder import kv_cache_bytes_per_token
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
 from .outputs import (
@@ -114,12 +114,7 @@ class LLMEngine:
             raise RuntimeError("cannot reconfigure an engine with unfinished requests")
         self.config = dataclasses.replace(self.config, scheduler=scheduler_config,
                                           cache=cache_config)
-        limit = self.model_config.context_limit
-        if limit < self.model_config.max_position_embeddings and (
-                scheduler_config.max_model_len is None or scheduler_config.max_model_len > limit):
-            logger.warning("max_model_len capped at the model's sliding window (%d tokens): "
-                           "attention runs over the full context, which equals the windowed "
-                           "attention only within the window", limit)
+        limit = self.model_config.max_position_embeddings
         scheduler_config = scheduler_config.resolved(limit)
         self.max_model_len = scheduler_config.max_model_len
         num_blocks = self._num_kv_blocks()
@@ -127,7 +122,8 @@ class LLMEngine:
         namespace = f"{self.config.model}|{self.dtype}".encode()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.watermark,
-                                          cache_config.enable_prefix_caching, namespace)
+                                          cache_config.enable_prefix_caching, namespace,
+                                          self.model_config.kv_window)
         self.executor.reset_kv(num_blocks, cache_config.block_size)
         if scheduler_config.tbt_slo is not None and self.cost is None:
             started = time.perf_counter()

@@ -52,14 +52,40 @@ class Batch:
 
     def attend(self, seqs: list[tuple[int, int, list[int]]], kernel: bool,
                qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-               tiles: bool = True) -> torch.Tensor:
+               tiles: bool = True, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """The batch through `paged_attention` on the cache's device (q, k, v moved there),
         in the kernels (AMX tiles where `tiles` and the CPU allow) or on the reference path."""
         device = self.cache.device
         meta = AttentionMetadata.build(seqs, self.block_size, device, GatherWorkspace(),
                                        kernels=attention_kernels(kernel, tiles))
         return paged_attention(*(t.to(device) for t in qkv), self.cache, meta,
-                               self.dim ** -0.5)
+                               self.dim ** -0.5, window=window, softcap=softcap)
+
+    def dense(self, seqs: list[tuple[int, int, list[int]]], q: torch.Tensor,
+              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """The naive truth in float64, from the cache as it is (the batch's K/V written):
+        each request's keys read slot by slot, every score formed, soft-capped, masked
+        (causal, and to the last `window` positions) and softmaxed."""
+        bs, outputs, row = self.block_size, [], 0
+        k_all, v_all = (kv.reshape(-1, self.hkv, self.dim).double() for kv in self.cache.cpu())
+        group = self.hq // self.hkv
+        for start, n, table in seqs:
+            ctx = start + n
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+            k, v = (kv[slots].repeat_interleave(group, 1) for kv in (k_all, v_all))
+            scores = torch.einsum("qhd,khd->hqk", q[row:row + n].double().cpu(), k)
+            scores = scores * self.dim ** -0.5
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            q_pos, k_pos = torch.arange(start, ctx)[:, None], torch.arange(ctx)[None, :]
+            seen = k_pos <= q_pos
+            if window is not None:
+                seen &= k_pos > q_pos - window
+            weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+            outputs.append(torch.einsum("hqk,khd->qhd", weights, v))
+            row += n
+        return torch.cat(outputs)
 
     def both(self, seqs: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(kernel, reference) outputs of one batch (both write the same new K/V)."""

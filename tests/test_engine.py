@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stallfree import SamplingParams
-from stallfree.model.llama import kv_cache_bytes_per_token
+from stallfree.model.decoder import kv_cache_bytes_per_token
 
 MAX_TOKENS = 12
 

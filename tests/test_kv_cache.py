@@ -150,3 +150,38 @@ def test_random_allocations_never_leak(num_blocks, block_size, ops):
         bm.free(r)
     assert bm.num_free_blocks == num_blocks
     bm.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_sliding_window_releases_blocks_behind_it(caching):
+    """Window 6, blocks of 4: once 16 tokens are computed the next query (position 16) sees
+    positions 11..16, so blocks 0 and 1 (positions 0..7) go back, and their table entries
+    name the null block past the pool; with caching they stay shareable (evictable)."""
+    bm = BlockManager(10, 4, enable_caching=caching, sliding_window=6)
+    r = make_request("a", 20)
+    bm.allocate(r, 12)
+    r.num_computed_tokens = 12
+    bm.cache_computed_blocks(r)
+    bm.release_out_of_window(r)  # position 12 sees 7..12: block 0 (0..3) only
+    assert bm.block_table("a")[0] == bm.null_block == 10
+    assert bm.num_free_blocks == 8
+    bm.allocate(r, 4)
+    r.num_computed_tokens = 16
+    bm.cache_computed_blocks(r)
+    bm.release_out_of_window(r)
+    table = bm.block_table("a")
+    assert table[:2] == [10, 10] and 10 not in table[2:] and len(table) == 4
+    assert bm.num_free_blocks == 8 and bm.num_evictable_blocks == (2 if caching else 0)
+    bm.check_invariants()
+    bm.free(r)
+    assert bm.num_free_blocks == 10
+    bm.check_invariants()
+
+
+def test_no_window_releases_nothing():
+    bm = BlockManager(10, 4)
+    r = make_request("a", 20)
+    bm.allocate(r, 20)
+    r.num_computed_tokens = 20
+    bm.release_out_of_window(r)
+    assert bm.null_block not in bm.block_table("a")

@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 
 from stallfree.model import (
     AttentionMetadata,
-    LlamaForCausalLM,
+    CausalLM,
     ModelConfig,
     allocate_kv_cache,
     kv_cache_bytes_per_token,
     load_model,
 )
+from stallfree.model.families import config_from_hf
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -89,7 +90,7 @@ class _Request:
         self.ids, self.blocks, self.cached = ids, blocks, 0
 
 
-def _step(model: LlamaForCausalLM, kv: torch.Tensor,
+def _step(model: CausalLM, kv: torch.Tensor,
           batch: list[tuple[_Request, int]]) -> torch.Tensor:
     """One forward over (request, num_new_tokens) entries; returns logits for every row."""
     meta = AttentionMetadata.build([(r.cached, n, r.blocks) for r, n in batch], BLOCK_SIZE, "cpu")
@@ -222,12 +223,16 @@ def test_kv_cache_shape_and_bytes():
 
 def test_config_from_hf_rejects_unknown_rope_and_arch():
     base = dict(SMALL, architectures=["LlamaForCausalLM"])
-    cfg = ModelConfig.from_hf_config(dict(base, rope_scaling={"type": "linear", "factor": 2.0}))
+    cfg = config_from_hf(dict(base, rope_scaling={"type": "linear", "factor": 2.0}))
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     with pytest.raises(ValueError, match="rope_scaling"):
-        ModelConfig.from_hf_config(dict(base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+        config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        ModelConfig.from_hf_config(dict(base, architectures=["GPT2LMHeadModel"]))
+        config_from_hf(dict(base, architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="partial rotary"):
+        config_from_hf(dict(base, partial_rotary_factor=0.5))
+    with pytest.raises(ValueError, match="hidden activation"):
+        config_from_hf(dict(base, hidden_act="relu"))
 
 
 def test_clean_kv_blocks_zeroes_only_blocks_a_chunk_starts_and_leaves_part_unwritten():

@@ -1,8 +1,6 @@
-"""Edges of the model's numerics: sliding windows are kept within, and NaN left in KV
+"""Edges of the model's numerics: sliding windows do not limit the context, and NaN left in KV
 blocks (by a request that overflowed, or a block's previous owner) reaches nobody else."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -13,24 +11,24 @@ from stallfree.model.config import ModelConfig
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_sliding_window_caps_max_model_len(tmp_path, caplog):
+def test_a_sliding_window_does_not_cap_max_model_len(tmp_path):
     from tiny_models import save_tiny_model
 
     path = save_tiny_model(tmp_path, "mistral", sliding_window=48, max_position_embeddings=256)
-    with caplog.at_level(logging.WARNING, logger="stallfree.engine"):
-        llm = LLM(path, max_model_len=200, kv_cache_memory=1 << 20)
-    assert llm.engine.max_model_len == 48
-    assert "sliding window (48 tokens)" in caplog.text
-    with pytest.raises(ValueError, match="max_model_len is 48"):
-        llm.generate([[5] * 48], SamplingParams(max_tokens=2))
-    out = llm.generate([[5] * 40], SamplingParams(max_tokens=20, ignore_eos=True))[0]
-    assert len(out.token_ids) == 8 and out.finish_reason == "length"  # 40 + 8 = the window
-    # A window as long as the positions (or none) changes nothing.
+    llm = LLM(path, max_model_len=200, kv_cache_memory=1 << 20)
+    assert llm.engine.max_model_len == 200
+    out = llm.generate([[5] * 100], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert len(out.token_ids) == 20 and out.finish_reason == "length"
+    # Windows as long as the positions (or none) are full attention.
     base = dict(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                 max_position_embeddings=256)
-    assert ModelConfig(**base, sliding_window=4096).context_limit == 256
-    assert ModelConfig(**base).context_limit == 256
+    assert ModelConfig(**base, sliding_window=4096).layer_window(0) is None
+    assert ModelConfig(**base).layer_window(1) is None
+    flags = ModelConfig(**base, sliding_window=16, window_layers=[True, False])
+    assert (flags.layer_window(0), flags.layer_window(1)) == (16, None)
+    with pytest.raises(ValueError, match="window_layers"):
+        ModelConfig(**base, sliding_window=16, window_layers=[True])
 
 
 def _free_blocks(llm: LLM, live: list[str]) -> list[int]:

@@ -14,7 +14,7 @@ import stallfree.engine as engine_module
 from stallfree.bench.workload import WorkloadConfig, build_workload
 from stallfree.config import CacheConfig, SchedulerConfig
 from stallfree.executor.base import RunnerOutput
-from stallfree.model.llama import kv_cache_bytes_per_token
+from stallfree.model.decoder import kv_cache_bytes_per_token
 from stallfree.sampling_params import SamplingParams
 from stallfree.sim.cost_model import BatchShape, ConstantCostModel
 from stallfree.sim.simulator import FAKE_TOKEN, SimConfig, simulate

@@ -11,7 +11,7 @@ import pytest
 
 from json_schemas import SCHEMAS
 from stallfree import SamplingParams
-from stallfree.model.llama import kv_cache_bytes_per_token
+from stallfree.model.decoder import kv_cache_bytes_per_token
 from stallfree.structured import GrammarCompileService
 
 

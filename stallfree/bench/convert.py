@@ -26,6 +26,9 @@ _FUSED = re.compile(r"(.*)\.(qkv_proj|gate_up_proj)\.(weight|bias)$")
 def hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     """A transformers config.json for our ModelConfig (llama or qwen2)."""
     arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+    if cfg.architecture not in arch:
+        raise ValueError(f"converting a {cfg.architecture} model is not supported; "
+                         f"supported: {sorted(arch)}")
     name, model_type = arch[cfg.architecture]
     scaling = None
     if cfg.rope_scaling:

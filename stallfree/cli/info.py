@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, ParallelConfig, resolve_device, resolve_threads
 from .args import add_setting_args, pick, settings_from_args
+
+if TYPE_CHECKING:
+    from ..model.config import ModelConfig
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -29,13 +32,13 @@ def _cpu_name(path: str = "/proc/cpuinfo") -> str:
     return line.partition(":")[2].strip() or "unknown"
 
 
-def _head_dim(model: str | None) -> int | None:
-    """The model's head size (some kernels take only some), None where it cannot be read:
-    the table then leaves the shape to each call."""
+def _model_config(model: str | None) -> ModelConfig | None:
+    """The model's description (its head size decides some kernels), None where it cannot
+    be read: the table then leaves the shape to each call."""
     from ..model.loader import load_model_config
 
     try:
-        return load_model_config(model).head_dim
+        return load_model_config(model)
     except (OSError, ValueError):
         return None
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import huge_pages
     from ..engine import choose_dtype
     from ..executor.hardware import available_cores
-    from ..model.kernel_table import KernelFacts, choose_kernels
+    from ..model.kernel_table import Choice, KernelFacts, choose_kernels
 
     settings = settings_from_args(EngineConfig, args) | settings_from_args(ParallelConfig, args)
     config = EngineConfig.from_kwargs(**settings)
@@ -75,17 +78,23 @@ def run(args: argparse.Namespace) -> int:
     if device_type == "cpu":
         torch.set_num_threads(threads)  # the bf16 probe times this many, as the engine's does
     dtype_name, why = choose_dtype(config.dtype, device_type)
-    head_dim = _head_dim(config.model)
+    model = _model_config(config.model)
+    head_dim = None if model is None else model.head_dim
     weights, quantized = _weights(config)
     facts = KernelFacts.here()
     table = choose_kernels(config.kernels, dtype=getattr(torch, dtype_name),
                            device_type=device_type,
                            tp_size=config.parallel.tensor_parallel_size, head_dim=head_dim,
                            facts=facts, quantized=quantized)
+    if model is not None and not model.plain_llama_layers and table.layer_loop.kernel:
+        table = table.with_choice("layer_loop", Choice(
+            "python", f"the {model.architecture} layers have features beyond Llama's"))
     hardware = [("cpu", f"{_cpu_name()}, {available_cores()} cores for this process"),
                 *facts.lines(), ("huge pages", huge_pages.status())]
     engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),
               ("threads", str(threads)), ("weights", weights),
+              ("model", "unknown" if model is None else
+               f"{model.architecture}: {', '.join(model.layer_features()) or 'Llama layers'}"),
               ("head_dim", "unknown (no model)" if head_dim is None else str(head_dim))]
     if args.json:
         print(json.dumps({"hardware": dict(hardware), "engine": dict(engine),

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from ..model.config import ModelConfig
+from ..model.decoder import CausalLM
 from ..model.kernel_table import KernelTable
-from ..model.llama import LlamaForCausalLM
 from ..scheduler.output import SchedulerOutput
 from .base import RunnerOutput
 from .model_runner import ModelRunner
@@ -18,7 +18,7 @@ class LocalExecutor:
     depth = 1
     restartable = False  # the model is this process: nothing to restart
 
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, seed: int = 0) -> None:
         self.model = model
         self.model_config = model_config

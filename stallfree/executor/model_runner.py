@@ -8,7 +8,7 @@ import torch
 from ..attention_plan import attends_as_decode
 from ..model.attention import AttentionMetadata, GatherWorkspace
 from ..model.config import ModelConfig
-from ..model.llama import LlamaForCausalLM, allocate_kv_cache
+from ..model.decoder import CausalLM, allocate_kv_cache
 from ..scheduler.output import SchedulerOutput
 from .base import RunnerOutput
 from .prompt_logprobs import prompt_logprobs
@@ -32,7 +32,7 @@ class ModelRunner:
     the last stage samples; the others take part in the logits all-gather.
     """
 
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, num_blocks: int,
+    def __init__(self, model: CausalLM, model_config: ModelConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
                  pipe: StagePipe | None = None) -> None:
         self.model = model

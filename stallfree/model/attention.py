@@ -7,19 +7,33 @@ p % block_size` of the flattened [num_blocks * block_size] view.
 On CPU, decodes run in the C++ kernel of paged_decode.py and prefill chunks in that of
 paged_prefill.py (a float32 cache, or a bfloat16 one on a CPU with AVX512_BF16), both reading
 the cache in place; elsewhere, without the kernels, or where the kernel table says so
-(`AttentionMetadata.kernels`), they gather their blocks and run SDPA (the reference).
+(`AttentionMetadata.kernels`), they gather their blocks and run SDPA (the reference), or with
+soft-capped scores the float32 math of attention_window.capped_attention. A layer may attend
+through a sliding window (attention_window.py).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..attention_plan import attends_as_decode, decode_groups
+from ..attention_plan import attends_as_decode
 from . import paged_prefill as prefill_kernel
+from .attention_window import (
+    NO_PLAN,
+    DecodeCall,
+    TorchPlan,
+    build_plan,
+    call_cap_bytes_per_token,
+    capped_attention,
+)
 from .kernel_table import KernelTable, ensure
 from .paged_decode import paged_decode, usable
+
+__all__ = ["AttentionMetadata", "GatherWorkspace", "call_cap_bytes_per_token",
+           "paged_attention", "slot_mapping"]
 
 
 def slot_mapping(seqs: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
@@ -85,28 +99,33 @@ class AttentionMetadata:
     # The decode context lengths on the host: the decode plan reads them, which from the
     # tensor would be a read back from a GPU at every step.
     decode_lens: list[int]
-    # Derived once per batch by `prepare()` and reused by every layer. Gathers copy
-    # whole blocks (contiguous runs), not single slots.
-    # Per chunk: the blocks covering its whole context and its causal mask, or None
-    # when the chunk has no cached prefix (it then attends to its own K/V directly).
-    prefill_gather_blocks: list[torch.Tensor | None] | None = field(default=None, repr=False)
-    prefill_masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
-    # Or, where the prefill kernel runs the chunks: its query and context lengths [chunks].
+    # Derived once per batch by `prepare()` and reused by every layer.
+    # Where the prefill kernel runs the chunks: its query and context lengths [chunks].
     prefill_kernel_lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None,
                                                                           repr=False)
-    # Decodes run in groups of similar context (stallfree/attention_plan.py), each padded
-    # to its longest: (rows in the batch's decodes or None for all in order, blocks
-    # [g, nb], key mask [g, 1, 1, nb*bs] bool).
-    decode_plan: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = field(
-        default=None, repr=False)
+    # Where the torch path runs chunks or decodes: its gathers and masks, per sliding window
+    # (None: full attention; attention_window.py). Gathers copy whole blocks (contiguous
+    # runs), not single slots.
+    torch_plans: dict[int | None, TorchPlan] = field(default_factory=dict, repr=False)
     # Where gathers land; the runner passes one that lives as long as its KV cache.
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False)
     # Which attention paths run: the model's table (its forward sets it); None, the defaults.
     kernels: KernelTable | None = field(default=None, repr=False)
+    _prepared: bool = field(default=False, init=False, repr=False)
+    _longest: int | None = field(default=None, init=False, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
         return int(self.decode_context_lens.shape[0])
+
+    # Full attention's torch plan (None where the kernels run), as it was read before windows.
+    @property
+    def prefill_masks(self) -> list[torch.Tensor | None] | None:
+        return self.torch_plans.get(None, NO_PLAN).prefill_masks
+
+    @property
+    def decode_plan(self) -> list[DecodeCall] | None:
+        return self.torch_plans.get(None, NO_PLAN).decode
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int,
@@ -158,115 +177,121 @@ class AttentionMetadata:
         )
         return meta
 
-    def prepare(self, kv_cache: torch.Tensor) -> None:
-        """Gather indices and masks for one layer's cache [2, blocks, bs, Hkv, D] (the same
-        shape in every layer); idempotent, so the first layer's call does the work. The
-        decode plan only where decodes take the torch path."""
-        bs = self.block_size
+    def effective_window(self, window: int | None) -> int | None:
+        """`window` as this batch needs it: None where it hides nothing (no context in the
+        batch is longer), so such a batch runs full attention's plan and kernels."""
+        if window is None:
+            return None
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if self._longest is None:
+            self._longest = max(self.prefill_context_lens + self.decode_lens, default=0)
+        return None if window >= self._longest else window
+
+    def prepare(self, kv_cache: torch.Tensor, windows: Iterable[int | None] = (None,)) -> None:
+        """The kernels' lengths, or the torch path's gathers and masks for each of `windows`,
+        for one layer's cache [2, blocks, bs, Hkv, D] (the same shape in every layer).
+        Idempotent: the first layer that asks for a window does the work. The model may name
+        every window its layers use up front; any other is prepared when first used."""
         kernels = self.kernels = ensure(self.kernels)
-        if (self.prefill_kernel_lens is None and self.prefill_gather_blocks is None
-                and self.prefill_query_lens and prefill_kernel.usable(kv_cache, kernels)):
-            device = self.prefill_table.device
-            self.prefill_kernel_lens = (
-                torch.tensor(self.prefill_query_lens, dtype=torch.int64, device=device),
-                torch.tensor(self.prefill_context_lens, dtype=torch.int64, device=device))
-        if self.prefill_kernel_lens is None and self.prefill_gather_blocks is None:
-            self.prefill_gather_blocks, self.prefill_masks = [], []
-            for qlen, ctx, table in zip(self.prefill_query_lens, self.prefill_context_lens,
-                                        self.prefill_table):
-                if ctx == qlen:
-                    self.prefill_gather_blocks.append(None)
-                    self.prefill_masks.append(None)
-                    continue
-                self.prefill_gather_blocks.append(table[:-(-ctx // bs)])
-                # Bottom-right aligned causal mask: query i sits at position ctx - qlen + i.
-                # Additive, once: SDPA turns a boolean mask into this at every layer's call.
-                causal = torch.ones(qlen, ctx, dtype=torch.bool, device=table.device)
-                causal = causal.tril(diagonal=ctx - qlen)
-                self.prefill_masks.append(torch.zeros(qlen, ctx, dtype=kv_cache.dtype,
-                                                      device=table.device)
-                                          .masked_fill_(~causal, float("-inf")))
-        if self.decode_plan is None and not usable(kv_cache, kernels):
-            self.decode_plan = []
-            lens = self.decode_lens
-            groups = decode_groups(lens, bs, call_cap_bytes_per_token(kv_cache))
-            for group in groups:
-                # Gather only the blocks the group's longest context needs.
-                num_blocks = -(-lens[group[0]] // bs)
-                # Order within a group does not matter: a lone group keeps the batch's.
-                rows = None if len(groups) == 1 else \
-                    torch.tensor(group, dtype=torch.int64, device=self.decode_context_lens.device)
-                tables, ctx = self.decode_block_tables, self.decode_context_lens
-                if rows is not None:
-                    tables, ctx = tables.index_select(0, rows), ctx.index_select(0, rows)
-                key_pos = torch.arange(num_blocks * bs, device=ctx.device)
-                mask = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
-                self.decode_plan.append((rows, tables[:, :num_blocks], mask))
+        if not self._prepared:  # decided once per batch: every window takes the same path
+            self._prepared = True
+            if self.prefill_query_lens and prefill_kernel.usable(kv_cache, kernels):
+                device = self.prefill_table.device
+                self.prefill_kernel_lens = (
+                    torch.tensor(self.prefill_query_lens, dtype=torch.int64, device=device),
+                    torch.tensor(self.prefill_context_lens, dtype=torch.int64, device=device))
+        prefill, decode = self.prefill_kernel_lens is None, not usable(kv_cache, kernels)
+        if not (prefill or decode):
+            return
+        for window in windows:
+            window = self.effective_window(window)
+            if window not in self.torch_plans:
+                self.torch_plans[window] = build_plan(self, kv_cache, window, prefill, decode)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    cache_written: bool = False) -> torch.Tensor:
+                    cache_written: bool = False, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: one layer [2, blocks, block_size, Hkv, D].
 
     Writes k/v into the cache (unless `cache_written`: the caller did), returns attention
-    output [T, Hq, D].
+    output [T, Hq, D]. `window`: a query at position p sees only keys (p - window, p], as
+    transformers' sliding-window mask (None: every key before it). `softcap`: scores
+    s = q.k * scale become softcap * tanh(s / softcap) before the mask and the softmax, as
+    Gemma 2's attn_logit_softcapping (None: off).
     """
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    window = meta.effective_window(window)
     if not cache_written:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    meta.prepare(kv_cache)
+    meta.prepare(kv_cache, (window,))
+    plan = meta.torch_plans.get(window)
 
     row, table = meta.num_prefill_tokens, meta.kernels
     if meta.prefill_kernel_lens is not None:
         outputs = [prefill_kernel.paged_prefill(
             q[:row].to(kv_cache.dtype), kv_cache, meta.prefill_table,
             *meta.prefill_kernel_lens, scale,
-            tiles=table.prefill_attention.impl == "amx").to(q.dtype)]
+            tiles=table.prefill_attention.impl == "amx", window=window,
+            softcap=softcap).to(q.dtype)]
     else:
-        outputs = _sdpa_prefills(q, k, v, kv_cache, meta, scale)
+        outputs = _torch_prefills(q, k, v, kv_cache, meta, plan, scale, softcap)
 
     num_decodes = q.shape[0] - row
     if num_decodes > 0 and usable(kv_cache, table):
         outputs.append(paged_decode(q[row:], kv_cache, meta.decode_block_tables,
                                     meta.decode_context_lens, scale,
-                                    tiles=table.decode_attention.impl == "amx"))
+                                    tiles=table.decode_attention.impl == "amx", window=window,
+                                    softcap=softcap))
     elif num_decodes > 0:
-        qd, plan, ws = q[row:], meta.decode_plan, meta.workspace
-        if len(plan) == 1:
-            outputs.append(_decode(qd, kv_cache, plan[0][1], plan[0][2], ws, scale))
+        qd, calls, ws = q[row:], plan.decode, meta.workspace
+        if len(calls) == 1:
+            outputs.append(_decode(qd, kv_cache, calls[0][1], calls[0][2], ws, scale, softcap))
         else:
             out = torch.empty_like(qd)
-            for rows, blocks, mask in plan:
+            for rows, blocks, mask in calls:
                 out.index_copy_(0, rows, _decode(qd.index_select(0, rows), kv_cache, blocks,
-                                                 mask, ws, scale))
+                                                 mask, ws, scale, softcap))
             outputs.append(out)
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
-def _sdpa_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float) -> list[torch.Tensor]:
-    """The reference path for the batch's prefill chunks: one SDPA call each, over its own
-    K/V or, with a cached prefix, over its gathered context and causal mask."""
+def _torch_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, plan: TorchPlan, scale: float,
+                    softcap: float | None) -> list[torch.Tensor]:
+    """The reference path for the batch's prefill chunks: one SDPA call each (or, capped,
+    the float32 math), over its own K/V or, with a cached prefix, over its gathered
+    context (from its window's first block), under the plan's mask."""
     outputs, row = [], 0
     for i, qlen in enumerate(meta.prefill_query_lens):
         # [1, H, L, D] views for SDPA.
         qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
-        blocks = meta.prefill_gather_blocks[i]
+        blocks, mask = plan.prefill_blocks[i], plan.prefill_masks[i]
         if blocks is None:
             ki = k[row:row + qlen].transpose(0, 1).unsqueeze(0)
             vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
+        else:
+            keys = mask.shape[-1]
+            ki, vi = (kv[:keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      for kv in meta.workspace.gather(kv_cache, blocks))
+        if softcap is not None:
+            # A KV head's query heads folded together: [Hkv, group, L, D] against [Hkv, 1, ...].
+            hkv, (_, hq, _, dim) = ki.shape[1], qi.shape
+            out = capped_attention(qi.reshape(hkv, hq // hkv, qlen, dim), ki.transpose(0, 1),
+                                   vi.transpose(0, 1), plan.chunk_mask(i, qlen, q.device),
+                                   scale, softcap).reshape(1, hq, qlen, dim)
+        elif mask is None:
             out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                  enable_gqa=True)
         else:
-            ctx = meta.prefill_context_lens[i]
-            ki, vi = (kv[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                      for kv in meta.workspace.gather(kv_cache, blocks))
-            mask = meta.prefill_masks[i]
             out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask.to(q.dtype),
                                                  scale=scale, enable_gqa=True)
         outputs.append(out[0].transpose(0, 1))
@@ -274,16 +299,8 @@ def _sdpa_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     return outputs
 
 
-def call_cap_bytes_per_token(kv_cache: torch.Tensor) -> int:
-    """One layer's K+V bytes per token where calls are capped to stay in the CPU caches;
-    0 elsewhere: on a GPU the cap would only multiply kernel launches."""
-    if kv_cache.device.type != "cpu":
-        return 0
-    return kv_cache[:, 0, 0].numel() * kv_cache.element_size()
-
-
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,
-            workspace: GatherWorkspace, scale: float) -> torch.Tensor:
+            workspace: GatherWorkspace, scale: float, softcap: float | None) -> torch.Tensor:
     """One query per request [g, Hq, D] against its gathered blocks [g, nb]."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -292,5 +309,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask:
     # Fold each KV head's group of query heads into the query-length axis, so GQA
     # needs no K/V expansion and one mask row serves all.
     qd = q.reshape(num, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    if softcap is not None:
+        out = capped_attention(qd, kd, vd, mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return out.reshape(num, num_heads, head_dim)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache."""
+"""The decoder-only model every family runs (families/, config.ModelConfig) over a paged KV
+cache: embedding, the layers of decoder_layer.py, final norm and logits."""
 from __future__ import annotations
 
 import logging
@@ -9,83 +10,19 @@ import torch
 from torch import nn
 
 from ..kernel_ops import check_kernels
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata
 from .config import ModelConfig
+from .decoder_layer import Attention, DecoderLayer, local_heads
 from .kernel_table import Choice, KernelTable, choose_kernels
 from .layer_loop import LayerLoop
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, rope_and_cache
+from .layers import RMSNorm, RotaryEmbedding
 from .linear import Linear, PackedWeight, linear, repack
 from .parallel import Shard, VocabParallelEmbedding
 
 logger = logging.getLogger("stallfree.model")
 
 
-def local_heads(config: ModelConfig, shard: Shard) -> tuple[int, int]:
-    """(query heads, KV heads) on this rank: whole GQA groups, so no KV head is shared."""
-    lo, hi = shard.tp_range(config.num_key_value_heads)
-    group = config.num_attention_heads // config.num_key_value_heads
-    return (hi - lo) * group, hi - lo
-
-
-class LlamaAttention(nn.Module):
-    kernels: KernelTable | None = None  # the model's; set by LlamaForCausalLM.prepack
-
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
-        super().__init__()
-        self.shard = shard
-        self.num_heads, self.num_kv_heads = local_heads(config, shard)
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        # q, k, v fused into one matmul: rows are [q | k | v].
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        cached = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
-                                self.num_kv_heads, self.kernels)
-        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
-                                                       self.head_dim)
-        if not cached:  # the torch path: q and k heads rotated together, in one pass
-            qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, cached)
-        # Row-parallel: each rank holds a slice of the heads' contribution.
-        return self.shard.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
-        super().__init__()
-        self.shard = shard
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        lo, hi = shard.tp_range(config.intermediate_size)
-        self.mlp = SwiGLUMLP(config.hidden_size, hi - lo)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds
-        the two in the same pass, and the stream's values are the plain
-        x + attn(norm(x)) + mlp(norm(...)) of the reference."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, meta, kv_cache)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.shard.all_reduce(self.mlp(h)), residual
-
-
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """The stage's layers only; the embedding on the first stage (and on the last when
     tied to the LM head), the final norm on the last."""
 
@@ -96,20 +33,24 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
                              if needs_embedding else None)
         lo, hi = shard.layer_range(config.num_hidden_layers)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard) for _ in range(lo, hi))
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, i) for i in range(lo, hi))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+        self.local_rotary = None
+        if any(layer.rope_table for layer in self.layers):
+            self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                                config.local_rope_theta, None)
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         shard = shard or Shard()
         shard.check(config.num_hidden_layers, config.num_key_value_heads)
         self.config = config
         self.shard = shard
-        self.model = LlamaModel(config, shard)
+        self.model = DecoderModel(config, shard)
         # Tied models read the embedding matrix in compute_logits instead of holding
         # a second Parameter: sharing survives every device/dtype move that way.
         lo, hi = shard.tp_range(config.vocab_size)
@@ -123,8 +64,14 @@ class LlamaForCausalLM(nn.Module):
         on later pipeline stages. Returns hidden states [T, hidden] (normed on the last)."""
         attn_metadata.kernels = self.kernels  # the table the weights were packed for
         attn_metadata.prepare(kv_cache[0])
-        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
-        # One RoPE lookup per forward, shared by all layers.
+        if hidden is None:
+            x = self.model.embed_tokens(input_ids)
+            if self.config.embedding_scale is not None:
+                # In the dtype, as the reference rounds it (Gemma).
+                x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        else:
+            x = hidden
+        # One RoPE lookup per table per forward, shared by the layers.
         cos, sin = self.model.rotary.lookup(positions, x.dtype)
         loop = self.layer_loop
         if loop is not None and loop.fits(x, attn_metadata, kv_cache):
@@ -132,9 +79,13 @@ class LlamaForCausalLM(nn.Module):
             if loop.final_norm is not None:  # applied in the loop's call
                 return x
         else:
+            tables = [(cos, sin)]
+            if self.model.local_rotary is not None:
+                tables.append(self.model.local_rotary.lookup(positions, x.dtype))
             residual = None
             for i, layer in enumerate(self.model.layers):
-                x, residual = layer(x, residual, cos, sin, attn_metadata, kv_cache[i])
+                x, residual = layer(x, residual, *tables[layer.rope_table], attn_metadata,
+                                    kv_cache[i])
         if residual is None:  # a stage without layers
             return x if self.model.norm is None else self.model.norm(x)
         if self.model.norm is None:  # the next stage gets the whole stream
@@ -155,7 +106,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = linear(hidden, self.model.embed_tokens.weight, packed=self.logits_packed,
                             kernels=self.kernels)
-        return self.shard.gather_vocab(logits.float(), self.config.vocab_size)
+        logits = self.shard.gather_vocab(logits.float(), self.config.vocab_size)
+        cap = self.config.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # The tied embedding's packing (linear.repack); lm_head, a Linear, holds its own.
     logits_packed: PackedWeight | None = None
@@ -186,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(kernels)
-            elif isinstance(module, (RMSNorm, LlamaAttention)):
+            elif isinstance(module, (RMSNorm, Attention)):
                 module.kernels = kernels
         embed = self.model.embed_tokens
         if self.logits_from_embedding:
@@ -203,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
                         "matrices kept", "+".join(layouts), held["packings"] / 1e6,
                         held["plain beside packings"] / 1e6)
         self.layer_loop, self.layer_loop_reason = LayerLoop.build(
-            self.model.layers, self.shard, kernels, self.model.norm)
+            self.model.layers, self.shard, kernels, self.model.norm, self.config)
         if self.layer_loop is None and kernels.layer_loop.kernel:  # the weights refused it
             kernels = kernels.with_choice("layer_loop", Choice("python", self.layer_loop_reason))
         self.kernels = kernels
@@ -247,7 +200,9 @@ class LlamaForCausalLM(nn.Module):
 
     def reset_buffers(self) -> None:
         """Rebuild derived buffers; needed after `to_empty` (they hold garbage then)."""
-        self.model.rotary.reset_table()
+        for rotary in (self.model.rotary, self.model.local_rotary):
+            if rotary is not None:
+                rotary.reset_table()
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,

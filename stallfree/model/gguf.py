@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .families import family_of
 from .quant_formats import from_gguf
 from .weights import Fetch, slicer
 
@@ -26,15 +27,15 @@ _GGUF_LAYER_NAMES = {
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name == "rope_freqs.weight":
         return None  # folded into the config's rope scaling
     m = _GGUF_BLOCK.match(name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -49,10 +50,11 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_named_tensors(tensors) -> Iterator[tuple[str, object]]:
-    """(HF name, tensor) per tensor the model reads."""
+def gguf_named_tensors(tensors, config: ModelConfig) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) per tensor the model reads, by the family's GGUF names."""
+    layer_names = _GGUF_LAYER_NAMES | family_of(config).gguf_layer_names
     for t in tensors:
-        name = _gguf_to_hf_name(t.name)
+        name = _gguf_to_hf_name(t.name, layer_names)
         if name is not None:
             yield name, t
 
@@ -60,7 +62,7 @@ def gguf_named_tensors(tensors) -> Iterator[tuple[str, object]]:
 def gguf_tensors(tensors, config: ModelConfig) -> Iterator[tuple[str, Fetch]]:
     """(HF name, fetch) per tensor (a gguf reader's, or their saved index's); a tensor is
     dequantised only if it is fetched."""
-    for name, t in gguf_named_tensors(tensors):
+    for name, t in gguf_named_tensors(tensors, config):
         yield name, slicer(lambda t=t, name=name: _gguf_dequantize(t, name, config))
 
 
@@ -73,7 +75,7 @@ def gguf_quant_rows(t, name: str, config: ModelConfig) -> torch.Tensor:
 
 
 def _hf_rows(data: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
-    if config.architecture == "llama":
+    if family_of(config).gguf_rope_rows_permuted:
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
             return _unpermute_rope_rows(data, config.num_attention_heads)
         if name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):

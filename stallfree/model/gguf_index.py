@@ -20,6 +20,7 @@ import numpy as np
 
 from . import build_cache
 from .config import ModelConfig
+from .families import config_from_gguf
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def read_gguf(path: str) -> tuple[ModelConfig, list[Any]]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             logging.getLogger(__name__).info("GGUF index %s unreadable (%s): parsing", index, e)
     reader = gguf.GGUFReader(path)
-    config = ModelConfig.from_gguf(reader)
+    config = config_from_gguf(reader)
     _save(index, config, reader.tensors)
     return config, list(reader.tensors)
 

@@ -20,6 +20,7 @@ from torch import nn
 from . import layers as fused
 from . import linear, paged_decode
 from .attention import AttentionMetadata
+from .config import ModelConfig
 from .kernel_table import KernelTable
 from .parallel import Shard
 
@@ -32,13 +33,16 @@ def _linears(layer: nn.Module) -> dict[str, linear.Linear]:
             "down_proj": mlp.down_proj}
 
 
-def _unfit_reason(layers: Sequence[nn.Module], shard: Shard,
-                  kernels: KernelTable) -> str | None:
+def _unfit_reason(layers: Sequence[nn.Module], shard: Shard, kernels: KernelTable,
+                  config: ModelConfig | None) -> str | None:
     """Why these layers cannot run in the C++ loop whatever the batch (None: they can)."""
     if not kernels.layer_loop.kernel:
         return kernels.layer_loop.reason
     if not layers:
         return "no decoder layers on this stage"
+    if config is not None and not config.plain_llama_layers:
+        return (f"the {config.architecture} layers have features beyond Llama's (the loop "
+                f"runs Llama's layer)")
     if shard.tp_size > 1:
         return "tensor parallelism (an all-reduce between a layer's kernels)"
     eps = {norm.eps for layer in layers
@@ -84,10 +88,12 @@ class LayerLoop:
 
     @classmethod
     def build(cls, layers: Sequence[nn.Module], shard: Shard, kernels: KernelTable,
-              final_norm: nn.Module | None = None) -> tuple[LayerLoop | None, str | None]:
+              final_norm: nn.Module | None = None, config: ModelConfig | None = None
+              ) -> tuple[LayerLoop | None, str | None]:
         """(the loop over `layers`, None) once their weights are packed for `kernels`, else
-        (None, why). `final_norm`: the RMSNorm after the last layer, if this stage has it."""
-        reason = _unfit_reason(layers, shard, kernels)
+        (None, why). `final_norm`: the RMSNorm after the last layer, if this stage has it;
+        `config`: the model's description, whose layers must be Llama's."""
+        reason = _unfit_reason(layers, shard, kernels, config)
         if reason is not None:
             return None, reason
         weights, quant_formats = [], []
@@ -144,7 +150,7 @@ class LayerLoop:
                  meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it), as the Python loop
-        of LlamaForCausalLM.forward returns them; with `final_norm`, (the final norm of
+        of CausalLM.forward returns them; with `final_norm`, (the final norm of
         their sum, the sum). cos/sin from RotaryEmbedding.lookup."""
         t = x.shape[0]
         prefill = ([meta.prefill_table, *meta.prefill_kernel_lens]

@@ -44,7 +44,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
 
 
 class RMSNorm(nn.Module):
-    # The model's table (None: `default_kernels`); set at load (LlamaForCausalLM.prepack).
+    # The model's table (None: `default_kernels`); set at load (CausalLM.prepack).
     kernels: KernelTable | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:

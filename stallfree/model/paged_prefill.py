@@ -7,7 +7,8 @@ AMX tiles where the CPU has AMX, else in AVX512_BF16 vectors (which it then need
 float32 cache, in float vectors of the build's width, on any CPU the kernels build for. It
 needs head_dim % 32 == 0 and block_size % 16 == 0; elsewhere (other dtypes and shapes, or
 no kernels) attention.py runs the chunks in SDPA, which stays the reference. The kernel
-table's prefill_attention says which (kernel_table.py).
+table's prefill_attention says which (kernel_table.py). Every path takes a sliding window
+(its items start at the first key their queries see) and soft-capped scores.
 """
 from __future__ import annotations
 
@@ -46,11 +47,15 @@ def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_lens: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float, tiles: bool = True) -> torch.Tensor:
+                  scale: float, tiles: bool = True, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """Chunk i's query_lens[i] rows of q [T, Hq, D] (in chunk order) against its first
     context_lens[i] keys through block_tables[i] [chunks, max_blocks] (int64), causally: its
     queries are the last query_lens[i] of those positions; q and the cache share a dtype
     (bfloat16 or float32). Returns [T, Hq, D] in that dtype.
-    `tiles`: the products in AMX tiles where the CPU has them."""
+    `tiles`: the products in AMX tiles where the CPU has them.
+    `window`: a query at position p sees only keys (p - window, p] (None: all before it).
+    `softcap`: scores s become softcap * tanh(s / softcap) (None: off)."""
     return torch.ops.stallfree.paged_prefill(q, kv_cache, block_tables, query_lens,
-                                             context_lens, scale, tiles)
+                                             context_lens, scale, tiles, window or 0,
+                                             softcap or 0.0)

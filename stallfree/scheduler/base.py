@@ -364,6 +364,7 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_tokens
             # Its KV is written now (the iteration completed): full blocks can be shared.
             self.block_manager.cache_computed_blocks(request)
+            self.block_manager.release_out_of_window(request)
             self._release_held(request)
             if not chunk.samples:
                 continue

@@ -49,7 +49,11 @@ class BlockManager:
     """Free list of fixed-size blocks, one block table per request, and the prefix cache."""
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_caching: bool = True, namespace: bytes = b"") -> None:
+                 enable_caching: bool = True, namespace: bytes = b"",
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: where every layer of the model attends to its last
+        `sliding_window` positions only, blocks that no later query can see are released
+        as a request advances (`release_out_of_window`)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -69,6 +73,11 @@ class BlockManager:
         self._owners: dict[str, Request] = {}
         # Leading blocks of each table already offered to the cache.
         self._num_cached: dict[str, int] = {}
+        self.sliding_window = sliding_window
+        # What a table holds in place of a block released behind the window: the block past
+        # the pool, which the executor keeps zeroed and never writes (ModelRunner.null_block).
+        self.null_block = num_blocks
+        self._num_released: dict[str, int] = {}  # leading table entries released
 
     # ---- sizes ----------------------------------------------------------------
     @property
@@ -257,14 +266,35 @@ class BlockManager:
         if table is None:
             return
         del self._owners[rid], self._num_cached[rid]
+        released = self._num_released.pop(rid, 0)
         # Tail first: the head of a sequence, shared by the most requests, is evicted last.
-        for block_id in reversed(table):
-            block = self.blocks[block_id]
-            if block.decref() == 0:
-                if block.key is not None:
-                    self._cache.park(block_id)
-                else:
-                    self._free.append(block_id)
+        for block_id in reversed(table[released:]):
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.decref() == 0:
+            if block.key is not None:
+                self._cache.park(block_id)
+            else:
+                self._free.append(block_id)
+
+    def release_out_of_window(self, request: Request) -> None:
+        """With a sliding window, gives back the request's leading blocks whose every token is
+        out of reach of its next query (position num_computed_tokens sees only the window
+        before it). Call after `cache_computed_blocks`: a full computed block is cached
+        first, so a later request with the same prefix may still share it."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if self.sliding_window is None or table is None:
+            return
+        first_seen = request.num_computed_tokens - self.sliding_window + 1
+        end = min(max(first_seen, 0) // self.block_size, len(table) - 1)
+        done = self._num_released.get(rid, 0)
+        for i in range(done, end):
+            self._release(table[i])
+            table[i] = self.null_block
+        self._num_released[rid] = max(done, end)
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] if it holds no blocks)."""
@@ -285,6 +315,10 @@ class BlockManager:
         assert len(free) == len(set(free)), "a block is on the free list twice"
         owners = [0] * self.num_total_blocks
         for request_id, table in self._tables.items():
+            released = self._num_released.get(request_id, 0)
+            assert table[:released] == [self.null_block] * released, \
+                f"request {request_id!r} holds a block behind its window"
+            table = table[released:]
             assert table, f"request {request_id!r} has an empty block table"
             assert len(table) == len(set(table)), f"request {request_id!r} holds a block twice"
             for block_id in table:
@@ -313,6 +347,8 @@ class BlockManager:
         for request_id, table in self._tables.items():
             keys = self._owners[request_id].block_hashes
             for i, bid in enumerate(table):
+                if bid == self.null_block:
+                    continue
                 key = self.blocks[bid].key
                 if key is not None:
                     assert i < len(keys) and keys[i] == key, (

@@ -33,10 +33,11 @@ using F32LinearSig = Tensor(const Tensor&, const Tensor&, int64_t);
 using QuantLinearSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
 using RopeSig = void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&, int64_t,
                      int64_t);
+// The attention kernels' trailing (window, softcap): this loop runs neither (0, 0.0).
 using PrefillSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          const Tensor&, double, bool);
+                          const Tensor&, double, bool, int64_t, double);
 using DecodeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                         int64_t, bool);
+                         int64_t, bool, int64_t, double);
 
 // The kernels, found once: through the dispatcher, as Python calls them (~0.2 us a call),
 // so each stays in its own file behind its registered schema.
@@ -98,12 +99,13 @@ Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Atte
   std::vector<Tensor> parts;
   if (a.prefill_rows > 0)
     parts.push_back(k.paged_prefill.call(q.narrow(0, 0, a.prefill_rows), cache, a.prefill[0],
-                                         a.prefill[1], a.prefill[2], a.scale, a.tiles));
+                                         a.prefill[1], a.prefill[2], a.scale, a.tiles,
+                                         /*window*/ 0, /*softcap*/ 0.0));
   if (decodes > 0)
     parts.push_back(k.paged_decode.call(q.narrow(0, a.prefill_rows, decodes), cache,
                                         a.decode_tables, a.decode_lens, a.scale,
                                         /*split: automatic, paged_decode.AUTO_SPLIT*/ -1,
-                                        a.tiles));
+                                        a.tiles, /*window*/ 0, /*softcap*/ 0.0));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 

@@ -15,6 +15,10 @@
 // (deal_spans), so one long request among short ones does not leave a core idle, and the
 // parts of a request are merged at the end. One parallel region per call, whatever the
 // batch.
+//
+// A sliding window (Mistral, Gemma's local layers) starts a request's work at its window's
+// first key, so a long context costs what its window does; soft-capped scores (Gemma 2) are
+// capped as they leave the product (paged_decode_softcap.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -49,12 +53,13 @@ constexpr int kTile = 2 * kLanes;
 // max rose). The heads go through each stage together: their reductions are short
 // dependent chains (a max across lanes, an exp, a sum), and side by side they overlap where
 // one head at a time waits on each (1.55x on L2-resident KV against one head at a time, in
-// the bf16-pairs path; caches of other dtypes take one head per pass).
+// the bf16-pairs path; caches of other dtypes take one head per pass). `cap` soft-caps the
+// scores before the tail is masked.
 
 template <typename T, int C, int HG>
 inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
                           const Partial& out, int64_t h0, int count, vf (*p)[2], float* alpha,
-                          const TileAhead<T, C * kLanes>& ahead) {
+                          const TileAhead<T, C * kLanes>& ahead, const SoftCap& cap) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
   const int n0 = std::min(n, kLanes), n1 = n - n0;
@@ -62,9 +67,10 @@ inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
   float m[HG];
   for (int i = 0; i < count; ++i) {
     const TileAhead<T, C * kLanes>* asks = i == 0 ? &ahead : nullptr;
-    scores[i][0] = lane < n0 ? key_scores<T, C>(q + (h0 + i) * C, k, rows, asks, 0) : minus_inf;
+    const vf s0 = cap(key_scores<T, C>(q + (h0 + i) * C, k, rows, asks, 0));
+    scores[i][0] = lane < n0 ? s0 : minus_inf;
     if (n1 > 0) {
-      const vf s = key_scores<T, C>(q + (h0 + i) * C, k, rows + kLanes, asks, kLanes);
+      const vf s = cap(key_scores<T, C>(q + (h0 + i) * C, k, rows + kLanes, asks, kLanes));
       scores[i][1] = lane < n1 ? s : minus_inf;
     } else {
       scores[i][1] = minus_inf;
@@ -110,7 +116,7 @@ void attend_tile(const Shape& s, const vf* q, const T* k, const T* v, const int6
                                            h0 == kv * group ? n_next : 0};  // first pass asks
       vf p[HG][2];
       float alpha[HG];
-      softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha, ahead);
+      softmax_steps<T, C, HG>(q, k + head, rows, n, out, h0, count, p, alpha, ahead, s.cap);
 #ifdef __AVX512BF16__
       if constexpr (kSplit<T, C>) {
         weighted_values_pairs<C, HG>(v + head, rows, n, p, alpha, h0, count, out.acc, ahead);
@@ -190,12 +196,13 @@ struct TileQuery {
 
 template <typename T, int C>
 void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* tables,
-         const int64_t* lens, int64_t rows, at::Tensor& out, int64_t split, TileQuery tq) {
+         const int64_t* lens, const int64_t* lo, int64_t rows, at::Tensor& out, int64_t split,
+         TileQuery tq) {
   const int64_t H = s.heads, D = s.dim;
   const T* k_cache = cache;
   const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
-  const Deal deal = split < 0 ? deal_spans(lens, rows) : deal_fixed(lens, rows, split,
-                                                                    s.block_size);
+  const Deal deal = split < 0 ? deal_spans(lens, lo, rows)
+                              : deal_fixed(lens, lo, rows, split, s.block_size);
   const std::vector<Item>& items = deal.items;
   const std::vector<int64_t>& first = deal.first;
   const int64_t n = static_cast<int64_t>(items.size());
@@ -274,16 +281,20 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
 // sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
 // (deal_fixed; 0: whole requests), or -1 (the engine's): a span per thread (deal_spans).
 // `tiles`: scores in AMX tiles where the CPU and the shapes allow it (paged_decode_amx.h),
-// else the vector path.
+// else the vector path. `window` > 0: each query sees only its last `window` keys (a
+// sliding window: the work starts there, so a long context costs no more than the window);
+// `softcap` > 0: scores become softcap * tanh(score / softcap). 0: off.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t split, bool tiles) {
+                        double scale, int64_t split, bool tiles, int64_t window,
+                        double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "need q [B, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D]");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0");
   const Shape s{q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1),
-                block_tables.size(-1)};
+                block_tables.size(-1), SoftCap(static_cast<float>(softcap))};
   TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0,
               "q and kv_cache disagree on head_dim or the GQA group");
   const int64_t rows = q.size(0);
@@ -297,6 +308,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lens[r] >= 0 && lens[r] <= s.max_blocks * s.block_size, "context ", lens[r],
                 " of row ", r, " does not fit its block table");
+  std::vector<int64_t> lo(rows, 0);  // each row's first key
+  if (window > 0)
+    for (int64_t r = 0; r < rows; ++r) lo[r] = std::max<int64_t>(0, lens[r] - window);
   const at::ScalarType q_type = q.scalar_type();
   TORCH_CHECK(q_type == at::kFloat || q_type == at::kBFloat16 || q_type == at::kHalf,
               "paged_decode: unsupported query dtype ", q_type);
@@ -316,10 +330,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   auto dispatch = [&](auto* cache) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
     switch (s.dim) {
-      case 16: return run<T, 1>(s, vq, cache, tables, lens, rows, out, split, tq);
-      case 32: return run<T, 2>(s, vq, cache, tables, lens, rows, out, split, tq);
-      case 64: return run<T, 4>(s, vq, cache, tables, lens, rows, out, split, tq);
-      case 128: return run<T, 8>(s, vq, cache, tables, lens, rows, out, split, tq);
+      case 16: return run<T, 1>(s, vq, cache, tables, lens, lo.data(), rows, out, split, tq);
+      case 32: return run<T, 2>(s, vq, cache, tables, lens, lo.data(), rows, out, split, tq);
+      case 64: return run<T, 4>(s, vq, cache, tables, lens, lo.data(), rows, out, split, tq);
+      case 128: return run<T, 8>(s, vq, cache, tables, lens, lo.data(), rows, out, split, tq);
       default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", s.dim);
     }
   };
@@ -336,7 +350,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(stallfree, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int split, bool tiles) -> Tensor");
+        "float scale, int split, bool tiles, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -8,15 +8,18 @@
 #include <cstring>
 #include <type_traits>
 
+#include "paged_decode_softcap.h"
 #include "vec.h"
 
 namespace {
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, num_blocks, max_blocks;
+  SoftCap cap;  // applied to every score (off: the default)
 };
 
-// One work item: tokens [begin, end) of request `row`.
+// One work item: tokens [begin, end) of request `row`. With a sliding window a request's
+// first item begins at its window's first token, which need not be a multiple of 16.
 struct Item {
   int64_t row, begin, end;
 };

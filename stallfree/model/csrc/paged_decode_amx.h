@@ -125,7 +125,9 @@ void weigh_group(const c10::BFloat16* v, int64_t row_len, int n, const float* p,
 }
 
 // The tokens of one work item against the packed query, into its softmax state (the same
-// state and held order as the vector kernel's `attend`). Tiles must be configured.
+// state and held order as the vector kernel's `attend`). Tiles must be configured. Tiles
+// start at multiples of 16 tokens, so they never cross a block: an item that begins
+// elsewhere (at a sliding window's first token) masks its first tile's leading tokens.
 template <int C>
 void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, float scale,
                 const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
@@ -143,13 +145,15 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
     return (block * bs + t % bs) * row_len;
   };
   const int64_t tile_bytes = 16 * row_len * int64_t(sizeof(c10::BFloat16));
-  int64_t row = first_row(item.begin);
-  for (int64_t start = item.begin; start < item.end; start += 16) {
+  const int64_t first = item.begin / 16 * 16;
+  int64_t row = first_row(first);
+  for (int64_t start = first; start < item.end; start += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, item.end - start));
+    const int skip = static_cast<int>(std::max<int64_t>(0, item.begin - start));  // masked
     const int64_t next = start + 16 < item.end ? first_row(start + 16) : -1;
     // A tile's 16 rows are contiguous (one block holds them). The next tile was asked for
     // one tile ago (at the item's start, in a burst); the one after trickles in below.
-    if (next >= 0 && start == item.begin) {
+    if (next >= 0 && start == first) {
       Trickle burst{reinterpret_cast<const char*>(k_cache + next),
                     reinterpret_cast<const char*>(v_cache + next), 0, 2 * tile_bytes / 64};
       burst.step(static_cast<int>(burst.lines));
@@ -175,11 +179,11 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
         }
       _tile_stored(0, scores, 64);
       // Online softmax with a lane per query head; tokens past n (the tile's tail, rows of
-      // whatever the block held) are masked out.
+      // whatever the block held) and before `skip` are masked out.
       vf srow[16];
       vf m_tile = minus_inf;
       for (int t = 0; t < 16; ++t) {
-        srow[t] = t < n ? load16(scores + t * 16) * scale : minus_inf;
+        srow[t] = t < n && t >= skip ? s.cap(load16(scores + t * 16) * scale) : minus_inf;
         m_tile = m_tile > srow[t] ? m_tile : srow[t];
       }
       const vf m_old = load_any(out.max + h0, cols);
@@ -187,7 +191,7 @@ void attend_amx(const Shape& s, const ColumnTiles& ct, const uint16_t* qpack, fl
       const vf a = exp_nonpositive(m_old - m_new);
       vf sum = load_any(out.sum + h0, cols) * a;
       for (int t = 0; t < n; ++t) {
-        const vf p = exp_nonpositive(srow[t] - m_new);
+        const vf p = t < skip ? vf{} : exp_nonpositive(srow[t] - m_new);
         sum += p;
         store16(scores + t * 16, p);
       }

@@ -21,15 +21,19 @@ struct Deal {
   std::vector<int64_t> first;
 };
 
+// Request r attends to its tokens [lo[r], lens[r]): lo is 0 without a sliding window.
+
 // split > 0: items of at most `split` tokens (0: whole requests), dealt out to the threads
-// in runs of about equal tokens (+ a block per item for its query and merge).
-Deal deal_fixed(const int64_t* lens, int64_t rows, int64_t split, int64_t block_size) {
+// in runs of about equal tokens (+ a block per item for its query and merge). Cuts fall on
+// multiples of `split` of the request's tokens, whatever its window's start.
+Deal deal_fixed(const int64_t* lens, const int64_t* lo, int64_t rows, int64_t split,
+                int64_t block_size) {
   if (split == 0) split = std::numeric_limits<int64_t>::max() / 4;
   split = (split + kLanes - 1) / kLanes * kLanes;
   Deal d;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < lens[r]; t += split)
-      d.items.push_back({r, t, std::min(lens[r], t + split)});
+    for (int64_t t = lo[r] / split * split; t < lens[r]; t += split)
+      d.items.push_back({r, std::max(t, lo[r]), std::min(lens[r], t + split)});
   const int64_t n = static_cast<int64_t>(d.items.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   d.first.assign(threads + 1, n);
@@ -54,28 +58,31 @@ Deal deal_fixed(const int64_t* lens, int64_t rows, int64_t split, int64_t block_
 // tokens: the AMX path reads 16-token tiles that must lie within one block.
 constexpr int64_t kMinSpan = 64;
 
-Deal deal_spans(const int64_t* lens, int64_t rows) {
+Deal deal_spans(const int64_t* lens, const int64_t* lo, int64_t rows) {
+  const auto span = [&](int64_t r) { return lens[r] - lo[r]; };  // the tokens r attends to
   int64_t total = 0;
-  for (int64_t r = 0; r < rows; ++r) total += lens[r];
+  for (int64_t r = 0; r < rows; ++r) total += span(r);
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kMinSpan));
-  // cuts[t]: where thread t's span begins, in the batch's tokens.
+  // cuts[t]: where thread t's span begins, in the batch's attended tokens.
   std::vector<int64_t> cuts(threads + 1, total);
   cuts[0] = 0;
   for (int64_t t = 1, row = 0, row_start = 0; t < threads; ++t) {
     const int64_t even = total * t / threads;
-    while (row_start + lens[row] <= even) row_start += lens[row++];  // skips empty requests
-    const int64_t local = std::min(lens[row], (even - row_start + kLanes / 2) / kLanes * kLanes);
-    cuts[t] = std::max(cuts[t - 1], row_start + local);
+    while (row_start + span(row) <= even) row_start += span(row++);  // skips empty requests
+    // The cut's token in its request, rounded to a multiple of kLanes, inside its window.
+    const int64_t token =
+        std::min(lens[row], (lo[row] + even - row_start + kLanes / 2) / kLanes * kLanes);
+    cuts[t] = std::max(cuts[t - 1], row_start + std::max<int64_t>(0, token - lo[row]));
   }
   Deal d;
   d.first.push_back(0);
   int64_t row = 0, row_start = 0;  // the request holding token `at`, where it starts
   for (int64_t t = 0; t < threads; ++t) {
     for (int64_t at = cuts[t]; at < cuts[t + 1];) {
-      while (row_start + lens[row] <= at) row_start += lens[row++];
-      const int64_t stop = std::min(cuts[t + 1], row_start + lens[row]);
-      d.items.push_back({row, at - row_start, stop - row_start});
+      while (row_start + span(row) <= at) row_start += span(row++);
+      const int64_t stop = std::min(cuts[t + 1], row_start + span(row));
+      d.items.push_back({row, lo[row] + at - row_start, lo[row] + stop - row_start});
       at = stop;
     }
     d.first.push_back(static_cast<int64_t>(d.items.size()));

@@ -21,21 +21,26 @@
 
 namespace {
 
-// Items of `queries` query positions of one head, each with its steps of `keys` keys (up to
-// the last key its queries see), longest first so that the threads finish together.
+// Items of `queries` query positions of one head, each with its steps of `keys` keys (from
+// the first key its first query sees to the last its last query sees), longest first so
+// that the threads finish together.
 std::vector<Item> make_items(const std::vector<Chunk>& chunks, const Layout& l, int64_t queries,
                              int64_t keys) {
   std::vector<Item> items;
   for (int64_t i = 0; i < static_cast<int64_t>(chunks.size()); ++i) {
     const Chunk& c = chunks[i];
     for (int64_t tile = 0; tile * queries < c.query_len; ++tile) {
+      const int64_t pos0 = c.context_len - c.query_len + tile * queries;
       const int64_t seen =  // keys its last query sees
           c.context_len - c.query_len + std::min(c.query_len, (tile + 1) * queries);
-      for (int64_t h = 0; h < l.heads; ++h) items.push_back({i, h, tile, (seen + keys - 1) / keys});
+      const int64_t first = l.first_key(pos0) / keys;
+      for (int64_t h = 0; h < l.heads; ++h)
+        items.push_back({i, h, tile, first, (seen + keys - 1) / keys});
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.steps > b.steps; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.steps - a.first > b.steps - b.first;
+  });
   return items;
 }
 
@@ -79,25 +84,27 @@ void prefill_bf16(const at::Tensor& q, const at::Tensor& kv_cache, const Layout&
   int64_t values = 0;
   for (Chunk& c : chunks) {
     c.values = values;
-    values += l.kv_heads * l.values_per_head(c.context_len) / 2;
+    c.first_step = l.first_key(c.context_len - c.query_len) / kKeys;
+    values += l.kv_heads * l.values_per_head(c) / 2;
   }
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
   const uint16_t* v_cache = k_cache + kv_cache.numel() / 2;
-  // The values in pairs, per chunk, KV head and step of 32 keys; every word is written
-  // below, so the buffer is not zeroed first.
+  // The values in pairs, per chunk, KV head and step of 32 keys (from the first step a query
+  // of the chunk sees); every word is written below, so the buffer is not zeroed first.
   std::unique_ptr<uint32_t[]> pairs(new uint32_t[values]);
   std::vector<std::array<int64_t, 3>> copies;  // chunk, KV head, step
   for (int64_t i = 0; i < static_cast<int64_t>(chunks.size()); ++i)
     for (int64_t kv = 0; kv < l.kv_heads; ++kv)
-      for (int64_t st = 0; st < l.steps(chunks[i].context_len); ++st) copies.push_back({i, kv, st});
+      for (int64_t st = chunks[i].first_step; st < l.steps(chunks[i].context_len); ++st)
+        copies.push_back({i, kv, st});
   const int64_t words_per_step = l.dim * kKeys / 2;
   at::parallel_for(0, static_cast<int64_t>(copies.size()), 8, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       const auto [i, kv, st] = copies[j];
       const Chunk& c = chunks[i];
-      uint32_t* dst = pairs.get() + c.values +
-                      (kv * l.steps(c.context_len) + st) * words_per_step;
+      const int64_t steps = l.steps(c.context_len) - c.first_step;
+      uint32_t* dst = pairs.get() + c.values + (kv * steps + st - c.first_step) * words_per_step;
       copy_values(l, c, v_cache, kv, st, dst);
     }
   });
@@ -111,7 +118,7 @@ void prefill_bf16(const at::Tensor& q, const at::Tensor& kv_cache, const Layout&
         const Chunk& c = chunks[it.chunk];
         const int64_t kv = it.head / (l.heads / l.kv_heads);
         attend_item(l, c, it, qp, k_cache,
-                    pairs.get() + c.values + kv * l.values_per_head(c.context_len) / 2, scale,
+                    pairs.get() + c.values + kv * l.values_per_head(c) / 2, scale,
                     op, scratch, products);
       }
     };
@@ -134,10 +141,13 @@ void prefill_bf16(const at::Tensor& q, const at::Tensor& kv_cache, const Layout&
 // block_size, Hkv, D] contiguous, both bfloat16 or both float32, with every chunk's own keys
 // and values written. Chunk i owns the next query_lens[i] rows of q and sees context_lens[i]
 // keys through block_tables[i]. Returns [T, Hq, D] in q's dtype. `tiles`: a bf16 cache's
-// products in AMX tiles where the CPU allows, else in AVX512_BF16 vectors.
+// products in AMX tiles where the CPU allows, else in AVX512_BF16 vectors. `window` > 0: a
+// query at position p sees only keys (p - window, p]; `softcap` > 0: scores become
+// softcap * tanh(score / softcap). 0: off.
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
                          const at::Tensor& block_tables, const at::Tensor& query_lens,
-                         const at::Tensor& context_lens, double scale, bool tiles) {
+                         const at::Tensor& context_lens, double scale, bool tiles,
+                         int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (f32 || q.scalar_type() == at::kBFloat16),
@@ -146,8 +156,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.scalar_type() == q.scalar_type(),
               "paged_prefill: kv_cache must be a contiguous [2, blocks, bs, Hkv, D] of q's dtype");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0");
   const Layout l{q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1),
-                 q.stride(0), q.stride(1)};
+                 q.stride(0), q.stride(1), window, SoftCap(static_cast<float>(softcap))};
   TORCH_CHECK(kv_cache.size(4) == l.dim && l.heads % l.kv_heads == 0,
               "paged_prefill: q and kv_cache disagree on head_dim or the GQA group");
   TORCH_CHECK(l.dim % 32 == 0 && l.block_size % 16 == 0,
@@ -168,7 +179,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
     TORCH_CHECK(ql >= 1 && ql <= ctx && ctx <= block_tables.size(1) * l.block_size,
                 "paged_prefill: chunk ", i, " has query_len ", ql, " and context ", ctx,
                 " (need 1 <= query_len <= context <= its block table's capacity)");
-    chunks[i] = {rows, ql, ctx, block_tables.data_ptr<int64_t>() + i * block_tables.size(1), 0};
+    chunks[i] = {rows, ql, ctx, block_tables.data_ptr<int64_t>() + i * block_tables.size(1), 0,
+                 0};
     rows += ql;
   }
   TORCH_CHECK(rows == q.size(0), "paged_prefill: query_lens sum to ", rows, ", q has ",
@@ -185,7 +197,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_lens, "
-        "Tensor context_lens, float scale, bool tiles) -> Tensor");
+        "Tensor context_lens, float scale, bool tiles, int window=0, float softcap=0.0) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -17,6 +17,11 @@
 // both take the same packed operands. Accumulation is fp32; P is rounded to bf16 for its
 // product, as torch's CPU flash attention does. A float32 cache takes paged_prefill_f32.h,
 // with items and steps of its own sizes.
+//
+// With a sliding window (Mistral, Gemma's local layers) a query at position p sees only keys
+// (p - window, p]: an item starts at the step holding the first key any of its queries sees,
+// and masks, besides the causal diagonal, the keys below each query's window. Soft-capped
+// scores (Gemma 2) are capped as they come out of the product, before the masks.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "paged_decode_softcap.h"
 #include "vec.h"
 
 namespace {
@@ -34,20 +40,43 @@ constexpr int64_t kKeys = 32;     // keys per step: 16 pairs of bf16
 struct Chunk {
   int64_t first_row, query_len, context_len;
   const int64_t* table;
-  int64_t values;  // offset of its per-KV-head V^T copies in the scratch buffer
+  int64_t values;      // offset of its per-KV-head V^T copies in the scratch buffer
+  int64_t first_step;  // the first step of kKeys keys any of its queries sees (window)
 };
 
 // One work item: query positions [tile * queries-per-item, ...) of chunk `chunk`, query head
-// `head`, and the steps of keys its queries see.
+// `head`, and the steps [first, steps) of keys its queries see.
 struct Item {
-  int64_t chunk, head, tile, steps;
+  int64_t chunk, head, tile, first, steps;
 };
 
 struct Layout {
   int64_t heads, kv_heads, dim, block_size, num_blocks, q_row, q_head;
+  int64_t window;  // > 0: the sliding window's length; 0: full causal attention
+  SoftCap cap;
   int64_t row_len() const { return kv_heads * dim; }
   int64_t steps(int64_t keys) const { return (keys + kKeys - 1) / kKeys; }
-  int64_t values_per_head(int64_t keys) const { return steps(keys) * dim * kKeys; }
+  // The first key a query at position `pos` sees.
+  int64_t first_key(int64_t pos) const {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  }
+  // The V^T copies of one KV head of chunk c: its steps from the first it sees.
+  int64_t values_per_head(const Chunk& c) const {
+    return (steps(c.context_len) - c.first_step) * dim * kKeys;
+  }
+  // Of the keys [key, ...) (as many as a register has query lanes), the lanes below which
+  // the causal diagonal hides key `key` (queries at positions pos0 + lane; keys at or past
+  // `limit` from every lane), and the lane from which the window hides it.
+  int64_t hidden_below(int64_t key, int64_t pos0, int64_t limit, int64_t lanes) const {
+    return key >= limit ? lanes : std::max<int64_t>(0, key - pos0);
+  }
+  int64_t hidden_from(int64_t key, int64_t pos0, int64_t lanes) const {
+    return window > 0 ? std::clamp<int64_t>(key - pos0 + window, 0, lanes) : lanes;
+  }
+  // Whether a step of `keys` keys from t0 holds a key some lane must not see.
+  bool masks(int64_t t0, int64_t keys, int64_t pos0, int64_t lanes) const {
+    return t0 + keys - 1 > pos0 || (window > 0 && t0 - pos0 + window < lanes);
+  }
 };
 
 // Cache offset of token t's row in a chunk's table.
@@ -149,30 +178,40 @@ void attend_item(const Layout& l, const Chunk& c, const Item& it, const uint16_t
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
       19, 3, 18, 2, 17, 1, 16, 0);
   const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f);
+  const SoftCap cap = l.cap.unscaled(scale);  // the scores are held unscaled
   __m512 max = _mm512_set1_ps(kMasked);  // running max, in log2 units
   __m512 sum = _mm512_setzero_ps();
   mma.begin(s);
   const int64_t k_stride = l.row_len();
-  for (int64_t step = 0; step < it.steps; ++step) {
+  for (int64_t step = it.first; step < it.steps; ++step) {
     const int64_t t0 = step * kKeys;
     // The step's second 16 keys only where a query sees them.
     const uint16_t* k0 = k_cache + token_row(l, c, t0) + kv * D;
     const uint16_t* k1 = t0 + 16 < limit ? k_cache + token_row(l, c, t0 + 16) + kv * D : nullptr;
     mma.scores(k0, k1, k_stride, s);
-    // The step's max; on the diagonal (or past the last key) the hidden scores are masked
-    // first: key t is hidden from query lane q when t > pos0 + q.
+    // The step's max; on the diagonal (or past the last key) and at the window's lower edge
+    // the hidden scores are masked first: key t is hidden from query lane q when
+    // t > pos0 + q, or t <= pos0 + q - window. Capped scores are capped before.
     __m512 step_max = _mm512_set1_ps(kMasked);
-    const bool diagonal = t0 + kKeys - 1 > pos0;
+    const bool masked = l.masks(t0, kKeys, pos0, kQueries);
+    // The lanes each key is hidden from, whose weights are then set to exactly 0: a lane
+    // that sees no key of a step (below its window) would otherwise weigh its masked scores
+    // against a max taken from them, where the product's rounding is no longer negligible.
+    __mmask16 hidden[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) {
       float* row = s.scores + t * kQueries;
       __m512 x = _mm512_load_ps(row);
-      if (diagonal) {
+      if (cap.on()) x = reinterpret_cast<__m512>(cap(reinterpret_cast<vf>(x)));
+      if (masked) {
         const int64_t key = t0 + t;
-        const int64_t hidden_below = key >= limit ? kQueries : std::max<int64_t>(0, key - pos0);
-        const __mmask16 hide = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(int(hidden_below)));
-        x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(kMasked));
-        _mm512_store_ps(row, x);
+        hidden[t] =
+            _mm512_cmplt_epi32_mask(
+                lane, _mm512_set1_epi32(int(l.hidden_below(key, pos0, limit, kQueries)))) |
+            _mm512_cmpge_epi32_mask(lane,
+                                    _mm512_set1_epi32(int(l.hidden_from(key, pos0, kQueries))));
+        x = _mm512_mask_mov_ps(x, hidden[t], _mm512_set1_ps(kMasked));
       }
+      if (masked || cap.on()) _mm512_store_ps(row, x);
       step_max = _mm512_max_ps(step_max, x);
     }
     step_max = _mm512_mul_ps(step_max, to_log2);
@@ -196,12 +235,13 @@ void attend_item(const Layout& l, const Chunk& c, const Item& it, const uint16_t
       for (int j = 0; j < 2; ++j) {
         const __m512 x = _mm512_load_ps(s.scores + (2 * k + j) * kQueries);
         p[j] = exp2_nonpositive(_mm512_fmsub_ps(x, to_log2, max));
+        if (masked) p[j] = _mm512_maskz_mov_ps(_knot_mask16(hidden[2 * k + j]), p[j]);
         sum = _mm512_add_ps(sum, p[j]);
       }
       const __m512i bf = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[1], p[0]));
       _mm512_store_si512(s.weights + k * kQueries, _mm512_permutexvar_epi16(interleave, bf));
     }
-    mma.accumulate(values + step * D * 16, s);
+    mma.accumulate(values + (step - c.first_step) * D * 16, s);
   }
   mma.to_memory(s);
   const vf inv = reinterpret_cast<vf>(_mm512_div_ps(_mm512_set1_ps(1.f), sum));

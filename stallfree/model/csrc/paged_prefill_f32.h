@@ -93,19 +93,25 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
   vn lane;
   for (int i = 0; i < kWidth; ++i) lane[i] = static_cast<float>(i);
   vn max = splat(kF32Masked), sum = vn{};
-  for (int64_t step = 0; step < it.steps; ++step) {
+  for (int64_t step = it.first; step < it.steps; ++step) {
     const int64_t t0 = step * kF32Keys;
     const int64_t offset = token_row(l, c, t0) + kv * D;
     vn scores[kF32Keys];
     for (int64_t t = 0; t < kF32Keys; t += kPassKeys)
       pass_scores(k_cache + offset + t * row_len, row_len, s, D, scores + t);
+    if (l.cap.on())
+      for (int64_t t = 0; t < kF32Keys; ++t) scores[t] = l.cap(scores[t]);
     // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i; keys
-    // past the last query's position are hidden from every lane.
-    if (t0 + kF32Keys - 1 > pos0)
+    // past the last query's position are hidden from every lane; at a sliding window's lower
+    // edge, when t0 + t <= pos0 + i - window. A lane may see no key of the item's first step:
+    // its weights there are 1 under the initial max, and the rescale by 0 when its max moves
+    // to a key it sees (a later step) wipes them.
+    if (l.masks(t0, kF32Keys, pos0, kF32Queries))
       for (int64_t t = 0; t < kF32Keys; ++t) {
         const int64_t key = t0 + t;
-        const float hidden_below = key >= limit ? kF32Queries : std::max<int64_t>(0, key - pos0);
-        scores[t] = lane < splat(hidden_below) ? splat(kF32Masked) : scores[t];
+        const float below = l.hidden_below(key, pos0, limit, kF32Queries);
+        const float from = l.hidden_from(key, pos0, kF32Queries);
+        scores[t] = (lane < splat(below)) | (lane >= splat(from)) ? splat(kF32Masked) : scores[t];
       }
     vn step_max = scores[0];
     for (int64_t t = 1; t < kF32Keys; ++t)
