@@ -10,12 +10,16 @@ class IncrementalDetokenizer:
     Decoding a short window of recent tokens (instead of each token alone)
     keeps byte-level merges and leading-space rules right; a trailing U+FFFD
     means a multi-byte character is still incomplete, so its text waits.
+    `skip_special_tokens` False keeps special tokens' text, stop strings matched
+    against it too (as vLLM).
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
@@ -24,7 +28,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Adds a token; returns (new text, whether a stop string ended the text).

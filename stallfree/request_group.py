@@ -6,7 +6,7 @@ from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, PromptLogprobs, RequestOutput, StepOutput, TokenLogprobs
-from .request import Request
+from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 
 
@@ -37,7 +37,8 @@ class RequestGroup:
             self.children.append(Request(child_id, prompt_token_ids, child_params, arrival_time,
                                          eos_token_ids=eos_token_ids))
         self.detokenizers = [IncrementalDetokenizer(tokenizer, params.stop,
-                                                    params.include_stop_str_in_output)
+                                                    params.include_stop_str_in_output,
+                                                    params.skip_special_tokens)
                              for _ in self.children]
         self.stop_hit = [False] * params.n
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in self.children]
@@ -55,10 +56,10 @@ class RequestGroup:
         has just ended it (the caller then finishes the child in the scheduler)."""
         delta, hit = "", False
         detokenizer = self.detokenizers[index]
-        if not self.stop_hit[index]:
+        child = self.children[index]
+        if not self.stop_hit[index] and not _stop_token_left_out(child, token):
             # As stop tokens, stop strings count once min_tokens tokens exist (this one
             # included: the scheduler has appended it already).
-            child = self.children[index]
             delta, hit = detokenizer.append(
                 token, child.num_output_tokens >= child.sampling_params.min_tokens)
             self.stop_hit[index] = hit
@@ -105,3 +106,18 @@ class RequestGroup:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.arrival_time, min(first) if first else None, cached,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+
+
+def _stop_token_left_out(child: Request, token: int) -> bool:
+    """Whether `token` just ended `child` as a stop token (EOS or stop_token_ids) whose text
+    is left out, as vLLM leaves it out: with special tokens kept, EOS's text ("</s>",
+    "<|eot_id|>") would otherwise end every reply. With them skipped an EOS has no text
+    anyway, and a stop_token_ids token keeps its text as it always has here."""
+    params = child.sampling_params
+    if params.skip_special_tokens or params.include_stop_str_in_output:
+        return False
+    # The scheduler has appended the token and finished the child before it is emitted.
+    if child.status is not RequestStatus.FINISHED_STOPPED:
+        return False
+    return token in params.stop_token_ids or (not params.ignore_eos
+                                              and token in child.eos_token_ids)

@@ -36,6 +36,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # False keeps special tokens' text in the output (vLLM's field): what tool-call formats
+    # written with special tokens (Mistral's [TOOL_CALLS], Llama 3.1's <|python_tag|>) need.
+    # The token that ends a sequence (EOS, stop_token_ids) is left out all the same.
+    skip_special_tokens: bool = True
     # Return the sampled token's log-probability plus this many most likely
     # alternatives per step; None returns none.
     logprobs: int | None = None
@@ -90,6 +94,8 @@ class SamplingParams:
               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs", "must be an integer in [0, 20] or None")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens",
+              "must be a bool")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
               "repetition_penalty", "must be > 0")
         check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

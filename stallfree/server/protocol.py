@@ -95,6 +95,9 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
+    # False keeps special tokens' text in the output. Chat turns it off by itself where the
+    # tool-call parser reads special tokens, unless the request says (`model_fields_set`).
+    skip_special_tokens: StrictBool = True
     # stallfree's own: this request's time-between-tokens target in seconds (a server
     # started with --tbt-slo keeps every iteration it decodes in within it).
     tbt_slo: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] | None = None
@@ -116,6 +119,7 @@ class _SamplingFields(OpenAIModel, ConstraintFields):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=constraint or self.constraint(),
             tbt_slo=self.tbt_slo)

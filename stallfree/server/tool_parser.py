@@ -119,12 +119,19 @@ class ToolCallParser:
     that is the first text of the reply (matched ignoring whitespace: for formats where
     the whole reply is the call, and whose marker the detokenizer may have dropped as a
     special token). It ends at `end`, or, without one, at the end of the reply.
+
+    A format written with special tokens says so (`needs_special_tokens`, and which ones it
+    reads: `special_markers`): the detokenizer drops special tokens unless the request says
+    otherwise, so the chat route keeps them for this parser's tool requests, then strips
+    every other special token's text from the reply's content (tools.ToolReply).
     """
 
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]] = ()
     leading: ClassVar[tuple[str, ...]] = ()
     end: ClassVar[str | None] = None
+    needs_special_tokens: ClassVar[bool] = False
+    special_markers: ClassVar[tuple[str, ...]] = ()
 
     def parse(self, payload: str, known: Collection[str]) -> list[ParsedCall] | None:
         """The calls in one call's text (after its marker; a leading opener included),
@@ -150,6 +157,9 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
     end = "</tool_call>"
+    # The tags are text, or added tokens that are not special (Qwen2.5's and Qwen3's), so
+    # they reach the parser with special tokens skipped, as they always have.
+    needs_special_tokens = False
 
     def parse(self, payload: str, known: Collection[str]) -> list[ParsedCall] | None:
         return parse_calls(payload, known)

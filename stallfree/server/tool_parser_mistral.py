@@ -2,9 +2,10 @@
 
 Mistral 7B v0.3 and Mixtral 8x22B write `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`;
 tokenizers from v11 on (Mistral Small 3.2, Magistral) write each call as
-`[TOOL_CALLS]name[ARGS]{...}`. `[TOOL_CALLS]` and `[ARGS]` are special tokens, which the
-detokenizer drops: a reply whose first text is a JSON list of objects opens a call as
-well (the older form without its marker). The newer form needs its markers in the text.
+`[TOOL_CALLS]name[ARGS]{...}`. `[TOOL_CALLS]` and `[ARGS]` are special tokens, kept for
+tool requests (skip_special_tokens off). Where a client skips them all the same, a reply
+whose first text is a JSON list of objects opens a call as well (the older form without
+its marker); the newer form needs its markers in the text.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 class MistralParser(ToolCallParser):
     name = "mistral"
     markers = (TOOL_CALLS,)
+    needs_special_tokens = True
+    special_markers = (TOOL_CALLS, ARGS)
     leading = ('[{"',)  # ignoring whitespace
 
     def parse(self, payload: str, known: Collection[str]) -> list[ParsedCall] | None:

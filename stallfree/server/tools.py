@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..structured_outputs import ConstraintError, StructuredOutputs
 from .structured_protocol import Tool, ToolChoice
@@ -23,6 +23,7 @@ from .tool_parser import (
     parse_calls,
     split_tool_calls,
 )
+from .tool_parser_specials import NO_SPECIALS, SpecialTexts, SpecialTokenStripper
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -100,17 +101,27 @@ class ToolUse:
                                      source=f"tools[{index}].function.parameters")
         return None
 
-    def reply(self, parser: ToolCallParser = HERMES) -> ToolReply:
+    def reply(self, parser: ToolCallParser = HERMES,
+              specials: SpecialTexts | None = None) -> Reply:
         """A fresh reader of one choice's output; `parser`: how the model writes calls
-        (read with tool_choice auto; the other choices constrain the output's form)."""
+        (read with tool_choice auto; the other choices constrain the output's form);
+        `specials`: special tokens' texts to strip from its content (see ToolReply)."""
         known = [t.function.name for t in self.tools]
         if self.choice == "auto":
-            return ToolReply(known, self.parallel, parser)
+            return ToolReply(known, self.parallel, parser, specials)
         if self.choice == "required":
             return RequiredReply(known, self.parallel)
         if self.forced:
             return NamedReply(self.choice)
         return TextReply()
+
+
+class Reply(Protocol):
+    """One choice's output read as a message (whole) or as deltas (streamed)."""
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]: ...
+
+    def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]: ...
 
 
 def _call(call: ParsedCall) -> dict[str, Any]:
@@ -129,14 +140,23 @@ class TextReply:
 
 
 class ToolReply(TextReply):
-    """tool_choice auto: calls in the model's own format become tool_calls."""
+    """tool_choice auto: calls in the model's own format become tool_calls.
+
+    With `specials`, the text was decoded with special tokens kept for the parser (its
+    markers): the other special tokens' texts (a stray end-of-turn or header token) are
+    stripped from the content. Only from the content: a call's text is parsed as written,
+    so that a literal "</s>" in its arguments stays (EOS itself is never in the text:
+    request_group.py leaves the token that ends a sequence out).
+    """
 
     def __init__(self, known: list[str], parallel: bool = True,
-                 parser: ToolCallParser = HERMES) -> None:
+                 parser: ToolCallParser = HERMES, specials: SpecialTexts | None = None) -> None:
         self.known = known
         self.parallel = parallel
         self.parser = parser
+        self.specials = specials or NO_SPECIALS
         self._splitter = ToolCallSplitter(known, parser)
+        self._stripper = SpecialTokenStripper(self.specials)
         self._num_calls = 0  # streamed so far: the next call's index
 
     def _calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
@@ -146,8 +166,9 @@ class ToolReply(TextReply):
         content, calls = split_tool_calls(text, self.known, self.parser)
         calls = self._calls(calls)
         if not calls:
-            return {"content": text}, finish
-        return ({"content": content.strip() or None, "tool_calls": [_call(c) for c in calls]},
+            return {"content": self.specials.strip(text)}, finish
+        return ({"content": self.specials.strip(content).strip() or None,
+                 "tool_calls": [_call(c) for c in calls]},
                 "tool_calls" if finish == "stop" else finish)
 
     def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
@@ -155,6 +176,7 @@ class ToolReply(TextReply):
         if finish is not None:
             rest, more = self._splitter.finish()
             content, calls = content + rest, calls + more
+        content = self._stripper.feed(content, last=finish is not None)
         return self._delta(content, self._calls(calls), finish)
 
     def _delta(self, content: str, calls: list[ParsedCall],

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the chat template applied, then generated like a completion."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,7 +22,8 @@ from ..state import ServerState, StateDep, token_decoder
 from ..streaming import usage_of
 from ..tool_parser import ToolCallParser
 from ..tool_parser_registry import AUTO, choose_tool_parser
-from ..tools import TextReply
+from ..tool_parser_specials import SpecialTexts, special_token_texts
+from ..tools import Reply, TextReply, ToolUse
 from .generation import reply, start_call
 
 router = APIRouter(route_class=ParseFirstRoute)  # bodies parsed first (server/body.py)
@@ -38,6 +40,30 @@ def _tool_parser(raw: Request, state: ServerState) -> ToolCallParser:
     return parser
 
 
+def _keeps_special_tokens(body: ChatCompletionRequest, tools: ToolUse | None,
+                          parser: ToolCallParser) -> bool:
+    """Whether special tokens are kept in this request's text for its tool-call parser,
+    whose markers are special tokens (as vLLM's parsers adjust a request). A client that
+    set skip_special_tokens itself gets what it asked for."""
+    return (tools is not None and tools.choice != "none" and parser.needs_special_tokens
+            and "skip_special_tokens" not in body.model_fields_set)
+
+
+async def _stripped_specials(raw: Request, state: ServerState,
+                             parser: ToolCallParser) -> SpecialTexts:
+    """The special tokens stripped from the content of a reply whose special tokens were
+    kept for `parser`: all the tokenizer's but the parser's own markers. Compiled once per app and
+    parser, with a pool tokenizer (the engine thread decodes with its own meanwhile)."""
+    app_state = raw.app.state
+    cache: dict[str, SpecialTexts] | None = getattr(app_state, "stripped_specials", None)
+    if cache is None:
+        cache = app_state.stripped_specials = {}
+    if parser.name not in cache:
+        texts = await state.offload(special_token_texts)
+        cache[parser.name] = SpecialTexts.of(texts - set(parser.special_markers))
+    return cache[parser.name]
+
+
 def _choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
@@ -50,13 +76,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     model, params = state.check_request(body)
     tools = body.tool_use()
     await state.prepare_constraint(params, tools)
+    parser = None if tools is None else _tool_parser(raw, state)
+    specials = None
+    if parser is not None and _keeps_special_tokens(body, tools, parser):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+        specials = await _stripped_specials(raw, state, parser)
     ids = await state.apply_chat_template(body.conversation(), True,
                                           None if tools is None else tools.template_tools())
     call = await start_call(state, raw, "chatcmpl", "chat.completion.chunk", model, [ids],
                             params, arrival)
     # Each choice's text becomes content and/or tool calls (tools.py).
-    parser = None if tools is None else _tool_parser(raw, state)
-    replies = [TextReply() if tools is None else tools.reply(parser) for _ in range(params.n)]
+    replies: list[Reply] = [TextReply() if tools is None or parser is None
+                            else tools.reply(parser, specials) for _ in range(params.n)]
 
     def step_chunk(_: int, item: StepOutput) -> Any:
         delta, finish = replies[item.index].delta(item.new_text, item.finish_reason)
