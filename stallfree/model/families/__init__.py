@@ -47,10 +47,13 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 def config_from_gguf(reader: Any) -> ModelConfig:
     """The decoder description of a `gguf.GGUFReader`'s metadata (llama.cpp's keys)."""
     arch = gguf_field(reader, "general.architecture")
-    family = next((f for f in FAMILIES.values() if arch in f.gguf_architectures), None)
+    experts = bool(gguf_field(reader, f"{arch}.expert_count", 0))
+    family = next((f for f in FAMILIES.values()
+                   if arch in f.gguf_architectures and f.gguf_experts == experts), None)
     if family is None:
-        known = sorted(a for f in FAMILIES.values() for a in f.gguf_architectures)
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {known}")
+        known = sorted({a for f in FAMILIES.values() for a in f.gguf_architectures})
+        raise ValueError(f"unsupported GGUF architecture {arch!r}"
+                         f"{' with experts' if experts else ''}; supported: {known}")
 
     def key(name: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{arch}.{name}", default)

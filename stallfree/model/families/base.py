@@ -33,6 +33,9 @@ class Family:
     gguf_layer_names: dict[str, str] = field(default_factory=dict)
     # llama.cpp's converter interleaves Q/K rows for the "llama" architecture only.
     gguf_rope_rows_permuted: bool = False
+    # Claims its GGUF architectures only in files with experts (`{arch}.expert_count` > 0),
+    # the other families only in files without: llama.cpp writes Mixtral as "llama".
+    gguf_experts: bool = False
     # Added to every RMSNorm weight of an HF checkpoint: Gemma stores w for a (1 + w)
     # norm, which llama.cpp's converter already folds into its GGUF files.
     hf_norm_offset: float = 0.0
@@ -118,3 +121,19 @@ def gguf_window_fields(key: GGUFKey, pattern: Callable[[int], bool] | None) -> d
         return {"sliding_window": int(window)}
     flags = [pattern(i) for i in range(int(key("block_count", 0)))]
     return {"sliding_window": int(window), "window_layers": None if all(flags) else flags}
+
+
+def gguf_moe_fields(key: GGUFKey) -> dict[str, Any]:
+    """The experts of a GGUF file (llama.cpp's keys). llama.cpp renormalises the top-k
+    weights of its Mixtral ("llama") and Qwen3-MoE graphs whatever the HF config said (their
+    converters write no `expert_weights_norm`), so that is the default."""
+    gating = key("expert_gating_func", None)
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise ValueError(f"unsupported GGUF expert gating function {gating!r}: only a "
+                         f"softmax router is supported")
+    return {"num_experts": int(key("expert_count", 0)),
+            "num_experts_per_tok": int(key("expert_used_count", 0)),
+            # Mixtral's files give the experts' size as the model's feed_forward_length.
+            "moe_intermediate_size": int(key("expert_feed_forward_length", None)
+                                         or key("feed_forward_length", 0)),
+            "moe_renormalize": bool(key("expert_weights_norm", True))}

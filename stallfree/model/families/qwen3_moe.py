@@ -1,8 +1,13 @@
 """Qwen3-MoE: Qwen3's attention (q/k norms) with sparse MLPs; top-k weights renormalised
-only with norm_topk_prob, and dense MLPs in `mlp_only_layers` or off the sparse step."""
+only with norm_topk_prob, and dense MLPs in `mlp_only_layers` or off the sparse step.
+
+llama.cpp's converter writes neither norm_topk_prob (its graph always renormalises, as
+every released Qwen3-MoE sets) nor dense layers (it refuses to convert a model with them),
+so a GGUF file's layers are all sparse."""
 from typing import Any
 
-from .base import Family, HFConfig
+from .base import Family, GGUFKey, HFConfig, gguf_moe_fields
+from .qwen3 import QK_NORM_GGUF_NAMES
 
 
 def _hf_extra(raw: HFConfig) -> dict[str, Any]:
@@ -17,10 +22,18 @@ def _hf_extra(raw: HFConfig) -> dict[str, Any]:
             "moe_renormalize": bool(raw.get("norm_topk_prob", False)), "dense_layers": dense}
 
 
+def _gguf_extra(key: GGUFKey) -> dict[str, Any]:
+    return {"qk_norm": True, **gguf_moe_fields(key)}
+
+
 FAMILY = Family(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
     hf_extra=_hf_extra,
+    gguf_architectures=("qwen3moe",),
+    gguf_extra=_gguf_extra,
     hf_layer_names={r"mlp\.gate": "mlp.router"},
+    gguf_layer_names={"ffn_gate_inp": "mlp.gate", **QK_NORM_GGUF_NAMES},
+    gguf_experts=True,
 )
