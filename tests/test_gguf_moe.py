@@ -101,7 +101,7 @@ def test_q8_0_moe_gguf_keeps_attention_quantized(converted: dict) -> None:
             if outtype == "q8_0":
                 qkv = model.model.layers[0].self_attn.qkv_proj
                 assert isinstance(qkv, Linear) and qkv.packed.layout == "q8_32"
-                assert model.model.layers[0].mlp.experts_gate_up.dtype == torch.float32
+                assert model.model.layers[0].mlp.experts[0][0].packed.quant is None  # float
             out = llm.generate([PROMPT], params)[0]
         top.append(torch.tensor([lp for _, lp in out.outputs[0].logprobs[0].top]))
     # The best five logprobs, in order (robust to close calls swapping tokens); measured

@@ -15,6 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from stallfree.model import moe as moe_module
+from stallfree.model.linear import GatedLinear, Linear
 from stallfree.model.moe import SparseMoE
 
 HIDDEN = 64
@@ -198,3 +199,25 @@ def test_decode_reads_only_active_experts(tokens: int) -> None:
 def test_rejects_unknown_activation() -> None:
     with pytest.raises(ValueError, match="activation"):
         SparseMoE(8, 4, 4, 2, True, activation="relu")
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_split_experts_packed_for_the_kernels(act: str, tokens: int) -> None:
+    """Experts split into Linears of their own and packed for the engine's kernel table
+    (the model's prepack does both) give the stacked parameters' results within float32
+    rounding; the stacked copies are dropped."""
+    from stallfree.model.kernel_table import choose_kernels
+
+    block, stacked = hf_block("mixtral", act=act)
+    moe = copy.deepcopy(stacked)
+    moe.split_experts()
+    table = choose_kernels(dtype=torch.float32)
+    for module in moe.modules():
+        if isinstance(module, Linear):
+            module.prepack(table)
+    assert moe.experts_gate_up is None and moe.experts_down is None
+    assert isinstance(moe.experts[0][0], GatedLinear) == (act == "silu")
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), stacked(x), atol=1e-5, rtol=1e-5)

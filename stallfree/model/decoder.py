@@ -17,6 +17,7 @@ from .kernel_table import Choice, KernelTable, choose_kernels
 from .layer_loop import LayerLoop
 from .layers import RMSNorm, RotaryEmbedding
 from .linear import Linear, PackedWeight, linear, repack
+from .moe import SparseMoE
 from .parallel import Shard, VocabParallelEmbedding
 
 logger = logging.getLogger("stallfree.model")
@@ -136,6 +137,8 @@ class CausalLM(nn.Module):
         kernels = choose_kernels(overrides, dtype=dtype, device_type=device.type,
                                  tp_size=self.shard.tp_size, head_dim=self.config.head_dim,
                                  quantized=quantized)
+        for moe in [m for m in self.modules() if isinstance(m, SparseMoE)]:
+            moe.split_experts()  # Linears of their own, packed below like the others
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(kernels)
