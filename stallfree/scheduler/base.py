@@ -125,15 +125,15 @@ class Scheduler:
             max_output = min(max_output, request.sampling_params.max_tokens)
         # The last sampled token is never fed back, so it needs no KV slot.
         max_cached = request.num_prompt_tokens + max_output - 1
-        need = bm.num_blocks_for(max_cached)
+        largest_chunk = min(max_cached, self.config.token_budget) if self.chunked_prefill \
+            else max_cached
+        need = bm.most_blocks_held(max_cached, largest_chunk)
         if need > bm.num_total_blocks:
             raise ValueError(f"request {rid!r} may grow to {max_cached} cached tokens "
                              f"({need} KV blocks) but the KV cache has only "
                              f"{bm.num_total_blocks} blocks of {bm.block_size} tokens; lower "
                              f"max_tokens or max_model_len, or enlarge the KV cache")
-        first_tokens = min(max_cached, self.config.token_budget) if self.chunked_prefill \
-            else max_cached
-        first = bm.num_blocks_for(first_tokens)
+        first = bm.num_blocks_for(largest_chunk)
         if first > bm.num_total_blocks - bm.num_watermark_blocks:
             raise ValueError(f"request {rid!r}: a first chunk needs {first} KV blocks, more than "
                              f"the {bm.num_total_blocks - bm.num_watermark_blocks} the cache "

@@ -116,6 +116,15 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceiling division
 
+    def most_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request growing to `num_tokens` cached tokens, `chunk` at most
+        per iteration, holds at once: all of them, or with a sliding window those of the
+        window behind its chunk and the chunk's (released ones go back as it advances)."""
+        whole = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, self.num_blocks_for(self.sliding_window + chunk - 1) + 1)
+
     # ---- prefix cache ---------------------------------------------------------
     def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
         """The keys of the request's first `num_blocks` full blocks (memoised on it)."""
