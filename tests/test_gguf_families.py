@@ -26,9 +26,8 @@ from tiny_models import build_tiny_model, save_tiny_model
 CONVERTER = Path(__file__).resolve().parent.parent / ".build" / "llama_cpp_converter"
 PROMPT = [(7 * j + 3) % 5000 + 10 for j in range(41)]
 STEPS = 8
-# family -> what its tiny model sets for the test. Phi-3 and Gemma 2 are missing: the
-# converter reads their vocabulary only from a SentencePiece tokenizer.model, which the tiny
-# models (with the default model's BPE tokenizer) lack.
+# family -> what its tiny model sets for the test. Phi-3 and Gemma 2, whose converters read
+# the vocabulary only from a SentencePiece tokenizer.model, are in test_gguf_spm_families.py.
 # Gemma 3's files keep neither query_pre_attn_scalar nor which layers are local: llama.cpp
 # takes 1/sqrt(head_dim) and every 6th layer global, so the tiny model does too.
 CASES = {"qwen3": {}, "mistral": dict(sliding_window=None),

@@ -67,6 +67,7 @@ class GGUFQuantPlan:
         filler = WeightFiller(meta_model)
         found: dict[str, dict[int, tuple[object, str]]] = defaultdict(dict)
         refused: set[str] = set()
+        whole_tensors: set[str] = set()  # fused in the checkpoint itself (Phi-3's qkv, gate_up)
         for name, tensor in named:
             if not name.endswith(".weight") or not filler.wants(name):
                 continue
@@ -75,13 +76,18 @@ class GGUFQuantPlan:
             if gguf_format(tensor.tensor_type) is None:
                 refused.add(module)
                 continue
-            index = 0 if rows is None else filler.row_ranges[module.rsplit(".", 1)[1]].index(rows)
+            if rows is None:
+                whole_tensors.add(module)
+                index = 0
+            else:
+                index = filler.row_ranges[module.rsplit(".", 1)[1]].index(rows)
             found[module][index] = (tensor, name)
         modules = dict(meta_model.named_modules())
         plan = cls()
         for module, parts in found.items():
             kind = modules.get(module)
-            whole = len(parts) == _FUSED_PARTS.get(module.rsplit(".", 1)[-1], 1)
+            whole = (module in whole_tensors
+                     or len(parts) == _FUSED_PARTS.get(module.rsplit(".", 1)[-1], 1))
             if module not in refused and whole and isinstance(kind, (nn.Linear,
                                                                     VocabParallelEmbedding)):
                 plan.modules[module] = parts

@@ -61,6 +61,11 @@ def config_from_gguf(reader: Any) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary = key("rope.dimension_count", None)
+    if rotary is not None and int(rotary) != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rotary} of {head_dim} dims rotated) "
+                         f"are not supported")
     vocab = key("vocab_size")
     if vocab is None:  # not always written; the embedding's row count is authoritative
         vocab = int(tensors["token_embd.weight"].shape[-1])
@@ -75,7 +80,7 @@ def config_from_gguf(reader: Any) -> ModelConfig:
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
@@ -96,6 +101,9 @@ def gguf_field(reader: Any, name: str, default: Any = None) -> Any:
 
 
 def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ValueError("LongRoPE scaling (rope_factors_long/short, Phi-3's 128k models) is "
+                         "not supported")
     # llama.cpp's converter bakes llama3 scaling into a per-frequency divisor tensor.
     if "rope_freqs.weight" in tensors:
         import numpy as np
