@@ -3,6 +3,7 @@ that reads the paged cache in place.
 
 Run: .venv/bin/python benchmarks/decode_attention.py [--threads 1 2] [--dtype float32 bfloat16]
      [--flex] [--quick] [--history] [--baseline-rev REV] [--huge-pages-ab] [--tiles-ab]
+     [--kv-dtype int8] [--shapes 32x512 8xmixed ...]
 
 Default model's shapes (9 query heads, 3 KV heads x 64, block size 16), a 1 GiB KV cache
 of random values (30 layers) with each request's blocks scattered through it; batches of
@@ -21,10 +22,14 @@ on a shared machine hits them alike):
            `op` (advised for them) vs `4k-pages` is what 2 MiB pages buy
   vectors  --tiles-ab: the op with its scores in vectors, not AMX tiles (bf16 caches on a
            CPU with AMX; elsewhere both take the vector path)
+  int8     --kv-dtype int8: the op over an int8 cache (stallfree/model/csrc/paged_int8.h)
+           holding the same values quantized (same blocks, same tables), beside `op` over
+           the float cache: `op / int8` is what reading 1 byte per value (+4 per row)
+           instead of the dtype's buys
 With --history, the gather path's earlier steps too (fresh: a new gather tensor per call,
 one call padded to the longest; buffer: into the reused buffer; groups: + length groups).
 Prints median milliseconds per layer: CPU time with one thread (robust to other load),
-wall time with more (CPU time would count every thread).
+wall time with more (CPU time would count every thread), and the CPU's vector flags.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ import torch
 import stallfree.attention_plan as plan
 from stallfree.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from stallfree.model.kernel_table import choose_kernels, default_kernels
-from stallfree.model.kernels import unavailable_reason
+from stallfree.model.kernels import MARCH, unavailable_reason, vector_flags
 from stallfree.model.loader import default_model_path, load_model_config
 
 BLOCK = 16
@@ -144,10 +149,26 @@ def build_baseline(rev: str) -> None:
 
 def cache_in_pages(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
     """Random cache values in anonymous memory advised for (or against) 2 MiB pages."""
+    return _pages(shape, dtype, huge).normal_()
+
+
+def _pages(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape).normal_()  # keeps buf alive
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # keeps buf alive
+
+
+def int8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """`cache`'s values as an int8 cache (rows of head_dim int8 values q, then their float32
+    scale s = max|x| / 127; x ~ s * q), in 2 MiB pages, a layer at a time."""
+    out = _pages((*cache.shape[:-1], cache.shape[-1] + 4), torch.int8, huge=True)
+    for layer, rows in zip(out, cache):
+        x = rows.float()
+        s = x.abs().amax(-1, keepdim=True) / 127
+        layer[..., :-4] = torch.where(s > 0, x / s, 0.0).round_().clamp_(-127, 127)
+        layer[..., -4:] = s.view(torch.int8)
+    return out
 
 
 def flex_variant(case: Case) -> Callable[[], None]:
@@ -210,6 +231,10 @@ def main() -> None:
                     help="the kernel on a cache in 4 KiB pages too")
     ap.add_argument("--tiles-ab", action="store_true",
                     help="the kernel with its scores in vectors too (not AMX tiles)")
+    ap.add_argument("--kv-dtype", nargs="+", choices=["auto", "int8"], default=["auto"],
+                    help="int8: the op over an int8 cache too (auto: the dtype's cache only)")
+    ap.add_argument("--shapes", nargs="+", metavar="BxCONTEXT",
+                    help="batches to time, e.g. 32x512 8xmixed (default: all, or --quick's)")
     args = ap.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -222,14 +247,22 @@ def main() -> None:
     shapes = [(b, kind) for b in BATCHES for kind in ("512", "1024", "mixed")]
     if args.quick:
         shapes = [(8, "mixed"), (32, "512")]
+    if args.shapes:
+        shapes = [(int(b), kind) for b, kind in (x.split("x", 1) for x in args.shapes)]
+    int8 = "int8" in args.kv_dtype
+    print(f"CPU flags: {vector_flags()}  (kernels: -march={MARCH})")
     # Each as (its time / the time of what it is compared with): > 1 means the latter is faster.
     versus = {"gather": "kernel", "flex": "kernel", "baseline": "op", "4k-pages": "op",
               "vectors": "op"}
-    others = ((["op"] if args.baseline_rev or args.huge_pages_ab or args.tiles_ab else [])
+    others = ((["op"] if args.baseline_rev or args.huge_pages_ab or args.tiles_ab or int8
+               else [])
               + (["baseline"] if args.baseline_rev else [])
               + (["4k-pages"] if args.huge_pages_ab else [])
-              + (["vectors"] if args.tiles_ab else []) + (["flex"] if args.flex else []))
-    ratios = ["gather"] + [n for n in others if n in versus]
+              + (["vectors"] if args.tiles_ab else []) + (["flex"] if args.flex else [])
+              + (["int8"] if int8 else []))
+    # (numerator, denominator) of each ratio column.
+    ratios = [(n, versus[n]) for n in ["gather", *others] if n in versus]
+    ratios += [("op", "int8")] if int8 else []
     for dtype in map(lambda name: getattr(torch, name), args.dtype):
         per_block = 2 * layers * BLOCK * heads[1] * heads[2] * dtype.itemsize
         # Random values, so that pages are real (zeros would all be one); in 2 MiB pages, as
@@ -237,6 +270,7 @@ def main() -> None:
         shape = (layers, 2, (1 << 30) // per_block, BLOCK, heads[1], heads[2])
         cache = cache_in_pages(shape, dtype, huge=True)
         small_pages = cache_in_pages(shape, dtype, huge=False) if args.huge_pages_ab else None
+        quantized = int8_cache(cache) if int8 else None
         for threads in args.threads:
             torch.set_num_threads(threads)
             rng = random.Random(0)
@@ -247,7 +281,7 @@ def main() -> None:
                                                                               "kernel"]
             names += others
             print("| decodes | contexts | mean | " + " | ".join(names) + " |"
-                  + "".join(f" {n} / {versus[n]} |" for n in ratios))
+                  + "".join(f" {a} / {b} |" for a, b in ratios))
             print("|---" * (3 + len(names) + len(ratios)) + "|")
             for batch, kind in shapes:
                 lens = contexts(batch, kind, rng)
@@ -271,13 +305,15 @@ def main() -> None:
                     variants["vectors"] = partial(case.op, tiles=False)
                 if args.flex:
                     variants["flex"] = flex_variant(case)
+                if quantized is not None:
+                    variants["int8"] = partial(case.op, cache=quantized)
                 ms = {k: v * 1e3 / layers for k, v in measure(variants, rounds,
                                                                threads).items()}
                 print(f"| {batch} | {kind} | {sum(lens) / len(lens):.0f} | "
                       + " | ".join(f"{ms[n]:.3f}" for n in names)
-                      + "".join(f" | {ms[n] / ms[versus[n]]:.2f}x" for n in ratios)
+                      + "".join(f" | {ms[a] / ms[b]:.2f}x" for a, b in ratios)
                       + " |", flush=True)
-        del cache, small_pages
+        del cache, small_pages, quantized
 
 
 def _with_rule(factor: float, cap: int, fn: Callable[[], None]) -> None:

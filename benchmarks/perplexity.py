@@ -3,6 +3,9 @@
 Run: .venv/bin/python benchmarks/perplexity.py [--dtype float32] [--window 1024]
      .venv/bin/python benchmarks/perplexity.py --configs "quantization=none" \
          "quantization=auto" "quantization=int8" "quantization=auto,dtype=bfloat16"
+     .venv/bin/python benchmarks/perplexity.py --quantization none \
+         --kernels decode_attention=torch,prefill_attention=torch \
+         --configs kv_cache_dtype=auto kv_cache_dtype=int8
 
 The text is stallfree/data/text/perplexity_essay.txt (provenance in the README beside
 it). It is tokenized once and cut into windows of `--window` tokens without overlap; each
@@ -13,8 +16,8 @@ exp(-mean logprob) over every counted token.
 
 Each config (`key=value,key=value`, engine settings by the names LLM takes) builds an
 LLM on top of the flags' settings, scores the text, and shuts it down; a markdown table
-then compares them, the first being the baseline. `--quantization` is passed to LLM only
-when given (the engine's default, auto, otherwise).
+then compares them, the first being the baseline. `--quantization`, `--kv-cache-dtype` and
+`--kernels` are passed to LLM only when given (the engine's defaults otherwise).
 """
 from __future__ import annotations
 
@@ -109,19 +112,21 @@ def score_config(model: str | None, token_ids: Sequence[int], window: int,
         used = usable_window(llm, window)
         ppl, scored = perplexity(llm, token_ids, used)
         done = time.perf_counter()
-        return {"ppl": ppl, "scored": scored, "window": used, "dtype": llm.engine.info.dtype,
-                "load_s": loaded - started, "score_s": done - loaded}
+        info = llm.engine.info
+        return {"ppl": ppl, "scored": scored, "window": used, "dtype": info.dtype,
+                "kv": info.kv_cache_dtype, "load_s": loaded - started,
+                "score_s": done - loaded}
     finally:
         llm.shutdown()
 
 
 def markdown_table(rows: list[tuple[str, dict[str, object]]]) -> str:
     base = rows[0][1]["ppl"]
-    lines = ["| config | dtype | window | tokens scored | perplexity | ratio to first "
-             "| load s | score s |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| config | dtype | KV cache | window | tokens scored | perplexity "
+             "| ratio to first | load s | score s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for label, r in rows:
-        lines.append(f"| {label} | {r['dtype']} | {r['window']} | {r['scored']} "
+        lines.append(f"| {label} | {r['dtype']} | {r['kv']} | {r['window']} | {r['scored']} "
                      f"| {r['ppl']:.4f} | {r['ppl'] / base:.4f} "
                      f"| {r['load_s']:.1f} | {r['score_s']:.1f} |")
     return "\n".join(lines)
@@ -137,13 +142,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="score only the text's first N tokens (quick runs)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto, int8 (engine setting)")
+    parser.add_argument("--kernels", default=None, metavar="OP=IMPL,...",
+                        help="kernel table overrides, e.g. decode_attention=torch")
     parser.add_argument("--configs", nargs="+", default=None, metavar="K=V[,K=V]",
                         help="settings to compare, each over the flags' settings")
     args = parser.parse_args(argv)
 
     base: dict[str, object] = {"dtype": args.dtype}
-    if args.quantization is not None:
-        base["quantization"] = args.quantization
+    for name in ("quantization", "kv_cache_dtype", "kernels"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
 
     print(f"cpu flags: {vector_flags() or '(none found)'}")
     token_ids = _tokenize(args.model, args.text.read_text(encoding="utf-8"))

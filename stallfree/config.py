@@ -23,6 +23,15 @@ POLICIES = ("sarathi", "vllm", "orca", "request_level", "chunked_only")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = (*DTYPES, "auto")
 QUANTIZATION_CHOICES = ("auto", "none", "int8")  # stallfree/model/quant_load.py says what each does
+# The KV cache's dtype (vLLM's --kv-cache-dtype): auto is the model's; int8 holds each
+# (token, head) row as int8 values and a float32 scale (stallfree/model/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# Offered under vLLM's name, refused with the reason (kv_quant.py holds the layouts built).
+KV_CACHE_FP8_REFUSAL = (
+    "kv_cache_dtype fp8 is not built: it would take the bytes of int8 (1 per value and a "
+    "float32 scale per token and head) and be less exact (e4m3 keeps 3 mantissa bits: on the "
+    "default model's keys and values its error was 2-4x int8's), and no CPU kernel or torch "
+    "path here computes in fp8; use int8")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_TOKEN_BUDGET = 512
 # With --tbt-slo the SLO picks each iteration's budget; the budget is then only a cap,
@@ -139,9 +148,18 @@ class CacheConfig:
     enable_prefix_caching: bool = option(
         True, "share the KV of full blocks between requests with the same prefix (vLLM's "
               "automatic prefix caching; on by default)", flags=("--enable-prefix-caching",))
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage; auto: the model's dtype; int8: int8 values with a float32 "
+                "scale per token and head (3.8x the tokens of float32 at head_dim 64); fp8: "
+                "not built (refused, with why)", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "block_size")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError(KV_CACHE_FP8_REFUSAL)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if not 0 <= self.watermark < 1:

@@ -23,6 +23,7 @@ from .config import (
 from .distributed.executors import make_executor
 from .executor.cost_probe import calibrate
 from .executor.hardware import available_cores, probe_cpu_bf16
+from .model import kv_quant
 from .model.decoder import kv_cache_bytes_per_token
 from .model.parallel import Shard
 from .model.tokenizer import eos_token_ids, load_tokenizer
@@ -117,14 +118,20 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         scheduler_config = scheduler_config.resolved(limit)
         self.max_model_len = scheduler_config.max_model_len
+        self.kv_dtype = kv_quant.cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         num_blocks = self._num_kv_blocks()
-        # Cached KV is valid only for this model in this dtype: both name the cache's keys.
-        namespace = f"{self.config.model}|{self.dtype}".encode()
+        kv_name = str(self.kv_dtype).removeprefix("torch.")
+        self.info = dataclasses.replace(self.info, kv_cache_dtype=kv_name)
+        logger.info("KV cache: %s, %d blocks of %d tokens (%d bytes per token)", kv_name,
+                    num_blocks, cache_config.block_size,
+                    kv_cache_bytes_per_token(self.model_config, self.kv_dtype))
+        # Cached KV is valid only for this model in these dtypes: they name the cache's keys.
+        namespace = f"{self.config.model}|{self.dtype}|{self.kv_dtype}".encode()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.watermark,
                                           cache_config.enable_prefix_caching, namespace,
                                           self.model_config.kv_window)
-        self.executor.reset_kv(num_blocks, cache_config.block_size)
+        self.executor.reset_kv(num_blocks, cache_config.block_size, cache_config.kv_cache_dtype)
         if scheduler_config.tbt_slo is not None and self.cost is None:
             started = time.perf_counter()
             self.cost = calibrate(self.executor, num_blocks, cache_config.block_size,
@@ -158,7 +165,7 @@ class LLMEngine:
         cache, parallel = self.config.cache, self.config.parallel
         shards = [Shard.of_rank(r, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
                   for r in range(parallel.world_size)]
-        block_bytes = max(kv_cache_bytes_per_token(self.model_config, self.dtype, s)
+        block_bytes = max(kv_cache_bytes_per_token(self.model_config, self.kv_dtype, s)
                           for s in shards) * cache.block_size
         free = self.executor.free_memory() if cache.kv_cache_memory is None else None
         budget = cache.kv_bytes(self.device.type, free)
@@ -321,7 +328,8 @@ class LLMEngine:
         self._in_flight.clear()  # lost with the workers; none was applied
         self.executor.restart()
         bm = self.block_manager
-        self.executor.reset_kv(bm.num_total_blocks, bm.block_size)
+        self.executor.reset_kv(bm.num_total_blocks, bm.block_size,
+                               self.config.cache.kv_cache_dtype)
         requeued = self.scheduler.preempt_all()
         # Preempted blocks stay cached for their recompute, but their KV died with the
         # workers: a hit now would read zeros.

@@ -178,3 +178,5 @@ class EngineInfo:
     kernels: tuple[tuple[str, str, str], ...] = ()
     # The matmul weights' types and bits per weight ("q4_32 x120 (6 bits/weight), ...").
     weights: str = ""
+    # The KV cache's dtype: the model's, or int8 (values and a scale per token and head).
+    kv_cache_dtype: str = ""

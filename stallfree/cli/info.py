@@ -6,10 +6,12 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from ..config import EngineConfig, ParallelConfig, resolve_device, resolve_threads
+from ..config import CacheConfig, EngineConfig, ParallelConfig, resolve_device, resolve_threads
 from .args import add_setting_args, pick, settings_from_args
 
 if TYPE_CHECKING:
+    import torch
+
     from ..model.config import ModelConfig
 
 
@@ -19,6 +21,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_setting_args(p, pick(EngineConfig, "model", "dtype", "device", "threads", "kernels",
                                   "quantization"))
     add_setting_args(p, pick(ParallelConfig, "tensor_parallel_size"))
+    add_setting_args(p, pick(CacheConfig, "kv_cache_dtype"))
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
 
@@ -59,6 +62,16 @@ def _weights(config: EngineConfig) -> tuple[str, bool]:
         return f"unknown ({e})", False
 
 
+def _kv_cache(dtype: torch.dtype) -> str:
+    """The KV cache's dtype, and what a row of it holds where that is not plain."""
+    from ..model import kv_quant
+
+    name = str(dtype).removeprefix("torch.")
+    if not kv_quant.is_quantized(dtype):
+        return name
+    return f"{name} (per token and head: head_dim values, then a float32 scale)"
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -67,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from .. import huge_pages
     from ..engine import choose_dtype
     from ..executor.hardware import available_cores
+    from ..model import kv_quant
     from ..model.kernel_table import Choice, KernelFacts, choose_kernels
 
-    settings = settings_from_args(EngineConfig, args) | settings_from_args(ParallelConfig, args)
+    settings = (settings_from_args(EngineConfig, args) | settings_from_args(ParallelConfig, args)
+                | settings_from_args(CacheConfig, args))
     config = EngineConfig.from_kwargs(**settings)
     device = resolve_device(config.device, torch.cuda.is_available())
     device_type = torch.device(device).type
@@ -93,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
                 *facts.lines(), ("huge pages", huge_pages.status())]
     engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),
               ("threads", str(threads)), ("weights", weights),
+              ("kv cache", _kv_cache(kv_quant.cache_dtype(config.cache.kv_cache_dtype,
+                                                           getattr(torch, dtype_name)))),
               ("model", "unknown" if model is None else
                f"{model.architecture}: {', '.join(model.layer_features()) or 'Llama layers'}"),
               ("head_dim", "unknown (no model)" if head_dim is None else str(head_dim))]

@@ -198,10 +198,11 @@ class DistributedExecutor:
         free = [w.free_memory for w in self.workers]
         return None if None in free else min(free)
 
-    def reset_kv(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocates every rank's KV cache; waits until all have done it."""
+    def reset_kv(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+        """(Re)allocates every rank's KV cache (of the `kv_cache_dtype` setting); waits until
+        all have done it."""
         assert not self._in_flight, "KV cache reset with batches in flight"
-        index = self._send(KvMessage(num_blocks, block_size))
+        index = self._send(KvMessage(num_blocks, block_size, kv_cache_dtype))
         for rank in range(self.world_size):
             self.channel.get(f"ack/{index}/{rank}", bool, self._check)
             self.channel.delete(f"ack/{index}/{rank}")

@@ -122,6 +122,7 @@ class KvMessage(msgspec.Struct, tag="kv"):
 
     num_blocks: int
     block_size: int
+    kv_cache_dtype: str = "auto"  # the engine's setting (model/kv_quant.py)
 
 
 class RunMessage(msgspec.Struct, tag="run"):

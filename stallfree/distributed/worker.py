@@ -145,6 +145,7 @@ def _loop(channel: Channel, rank: int, shard, model, model_config, dtype: torch.
           device: torch.device, seed: int, pipe, check) -> None:
     """Runs messages msg/0, msg/1, ... in order until `check` raises SystemExit."""
     from ..executor.model_runner import ModelRunner
+    from ..model import kv_quant
 
     reporter = shard.is_last_stage and shard.tp_rank == 0
     runner = None
@@ -155,7 +156,8 @@ def _loop(channel: Channel, rank: int, shard, model, model_config, dtype: torch.
         if isinstance(message, KvMessage):  # (re)allocate the KV cache
             runner = None  # free the old cache first
             runner = ModelRunner(model, model_config, message.num_blocks, message.block_size,
-                                 dtype, device, seed, pipe)
+                                 kv_quant.cache_dtype(message.kv_cache_dtype, dtype), device,
+                                 seed, pipe)
             channel.put(f"ack/{index}/{rank}", True)
         elif isinstance(message, RunMessage):
             start = time.monotonic()

@@ -38,8 +38,9 @@ class Executor(Protocol):
         """Accelerator bytes free for the KV cache after the weights (the least over
         ranks); None on CPU."""
 
-    def reset_kv(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocates the KV cache (dropping the old one first); no batch in flight."""
+    def reset_kv(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+        """(Re)allocates the KV cache (dropping the old one first) in `kv_cache_dtype` (the
+        `kv_cache_dtype` setting: auto, the model's dtype, or int8); no batch in flight."""
 
     def submit(self, output: SchedulerOutput) -> None: ...
 

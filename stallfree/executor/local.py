@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..model import kv_quant
 from ..model.config import ModelConfig
 from ..model.decoder import CausalLM
 from ..model.kernel_table import KernelTable
@@ -39,10 +40,12 @@ class LocalExecutor:
         cache = current.numel() * current.element_size() if current is not None else 0
         return torch.cuda.mem_get_info(self.device)[0] + held + cache
 
-    def reset_kv(self, num_blocks: int, block_size: int) -> None:
+    def reset_kv(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+        """`kv_cache_dtype`: the setting's name (auto: the model's dtype; int8)."""
         self.runner = None  # drop the old KV cache before allocating the new one
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size,
-                                  self.dtype, self.device, seed=self.seed)
+                                  kv_quant.cache_dtype(kv_cache_dtype, self.dtype), self.device,
+                                  seed=self.seed)
 
     @property
     def kernels(self) -> KernelTable:

@@ -35,6 +35,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
                  pipe: StagePipe | None = None) -> None:
+        """`dtype`: the KV cache's (the model's, or int8 for the quantized layout of
+        model/kv_quant.py)."""
         self.model = model
         self.shard = model.shard
         self.block_size = block_size
@@ -127,7 +129,8 @@ def clean_kv_blocks(kv_cache: torch.Tensor, seqs: list[tuple[int, int, list[int]
     Attention masks a sequence's slots past its length, but a masked key still enters
     the product (0 x NaN is NaN): a NaN its previous owner left there would poison
     every later token. Blocks a chunk fills completely are overwritten anyway, and a
-    block begun by an earlier chunk has only this request's data.
+    block begun by an earlier chunk has only this request's data. (Zero bytes read as zeros
+    in an int8 cache too: values 0, scale 0.0.)
     """
     for start, num_tokens, table in seqs:
         end = start + num_tokens

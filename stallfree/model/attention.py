@@ -10,6 +10,11 @@ the cache in place; elsewhere, without the kernels, or where the kernel table sa
 (`AttentionMetadata.kernels`), they gather their blocks and run SDPA (the reference), or with
 soft-capped scores the float32 math of attention_window.capped_attention. A layer may attend
 through a sliding window (attention_window.py).
+
+An int8 cache (kv_quant.py: [2, blocks, block_size, Hkv, D + 4], each row's values and
+float32 scale) is written here quantized, and the torch path dequantizes its gathered rows
+to the query's dtype before SDPA; a chunk attending to its own keys sees them as the cache
+holds them, so results do not depend on the chunking or on prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_plan import attends_as_decode
+from . import kv_quant
 from . import paged_prefill as prefill_kernel
 from .attention_window import (
     NO_PLAN,
@@ -68,8 +74,9 @@ class GatherWorkspace:
 
     def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's cache [2, num_blocks, bs, Hkv, D] and [n] block ids -> K and V
-        [n * bs, Hkv, D], valid until the next gather.
+        """One layer's cache [2, num_blocks, bs, Hkv, W] and [n] block ids -> K and V
+        [n * bs, Hkv, W] in the cache's dtype (an int8 cache's rows still quantized:
+        kv_quant.dequantize), valid until the next gather.
 
         index_select on the leading dim copies whole blocks and is several times faster
         on CPU than advanced indexing or per-slot gathers.
@@ -214,7 +221,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     cache_written: bool = False, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: one layer [2, blocks, block_size, Hkv, D].
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: one layer [2, blocks, block_size, Hkv, W]
+    (W = D, or D + 4 for an int8 cache: kv_quant.py).
 
     Writes k/v into the cache (unless `cache_written`: the caller did), returns attention
     output [T, Hq, D]. `window`: a query at position p sees only keys (p - window, p], as
@@ -226,19 +234,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
     window = meta.effective_window(window)
     if not cache_written:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        kv_quant.write(kv_cache, meta.slot_mapping, k, v)
     meta.prepare(kv_cache, (window,))
     plan = meta.torch_plans.get(window)
 
     row, table = meta.num_prefill_tokens, meta.kernels
     if meta.prefill_kernel_lens is not None:
+        # q in the cache's float dtype; over an int8 cache, in its own.
         outputs = [prefill_kernel.paged_prefill(
-            q[:row].to(kv_cache.dtype), kv_cache, meta.prefill_table,
-            *meta.prefill_kernel_lens, scale,
+            q[:row].to(kv_quant.compute_dtype(kv_cache.dtype, q.dtype)), kv_cache,
+            meta.prefill_table, *meta.prefill_kernel_lens, scale,
             tiles=table.prefill_attention.impl == "amx", window=window,
             softcap=softcap).to(q.dtype)]
     else:
@@ -271,6 +276,10 @@ def _torch_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     the float32 math), over its own K/V or, with a cached prefix, over its gathered
     context (from its window's first block), under the plan's mask."""
     outputs, row = [], 0
+    if kv_quant.is_quantized(kv_cache.dtype) and None in plan.prefill_blocks:
+        # The chunks that attend to their own keys see them as the cache holds them.
+        end = meta.num_prefill_tokens
+        k, v = (kv_quant.as_cached(x[:end], kv_cache.dtype) for x in (k, v))
     for i, qlen in enumerate(meta.prefill_query_lens):
         # [1, H, L, D] views for SDPA.
         qi = q[row:row + qlen].transpose(0, 1).unsqueeze(0)
@@ -280,7 +289,7 @@ def _torch_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             vi = v[row:row + qlen].transpose(0, 1).unsqueeze(0)
         else:
             keys = mask.shape[-1]
-            ki, vi = (kv[:keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ki, vi = (kv_quant.dequantize(kv[:keys], q.dtype).transpose(0, 1).unsqueeze(0)
                       for kv in meta.workspace.gather(kv_cache, blocks))
         if softcap is not None:
             # A KV head's query heads folded together: [Hkv, group, L, D] against [Hkv, 1, ...].
@@ -304,8 +313,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask:
     """One query per request [g, Hq, D] against its gathered blocks [g, nb]."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
-    kd, vd = (kv.view(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-              for kv in workspace.gather(kv_cache, blocks.flatten()))
+    kd, vd = (kv_quant.dequantize(kv, q.dtype).view(num, -1, num_kv_heads, head_dim)
+              .transpose(1, 2) for kv in workspace.gather(kv_cache, blocks.flatten()))
     # Fold each KV head's group of query heads into the query-length axis, so GQA
     # needs no K/V expansion and one mask row serves all.
     qd = q.reshape(num, num_kv_heads, num_heads // num_kv_heads, head_dim)

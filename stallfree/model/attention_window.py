@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention_plan import decode_groups
+from . import kv_quant
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
@@ -61,10 +62,12 @@ NO_PLAN = TorchPlan()  # read where a batch built none: every part runs in the k
 def build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, window: int | None,
                prefill: bool, decode: bool) -> TorchPlan:
     """The plan of `window` for the batch's prefill chunks (where `prefill`) and decodes
-    (where `decode`) over one layer's cache [2, blocks, bs, Hkv, D]."""
+    (where `decode`) over one layer's cache [2, blocks, bs, Hkv, W]."""
     plan = TorchPlan()
     if prefill:
-        plan.prefill_blocks, plan.prefill_masks = _prefill_plan(meta, kv_cache.dtype, window)
+        # Additive masks in the dtype attention computes in (an int8 cache's: float32).
+        plan.prefill_blocks, plan.prefill_masks = _prefill_plan(
+            meta, kv_quant.compute_dtype(kv_cache.dtype), window)
     if decode:
         plan.decode = _decode_plan(meta, kv_cache, window)
     return plan
@@ -107,11 +110,13 @@ def _prefill_plan(meta: AttentionMetadata, dtype: torch.dtype, window: int | Non
 
 
 def call_cap_bytes_per_token(kv_cache: torch.Tensor) -> int:
-    """One layer's K+V bytes per token where calls are capped to stay in the CPU caches;
-    0 elsewhere: on a GPU the cap would only multiply kernel launches."""
+    """One layer's K+V bytes per token as attention reads them (an int8 cache's rows
+    dequantized to float32) where calls are capped to stay in the CPU caches; 0 elsewhere:
+    on a GPU the cap would only multiply kernel launches."""
     if kv_cache.device.type != "cpu":
         return 0
-    return kv_cache[:, 0, 0].numel() * kv_cache.element_size()
+    dtype = kv_quant.compute_dtype(kv_cache.dtype)
+    return 2 * kv_cache.shape[-2] * kv_quant.head_dim(kv_cache) * dtype.itemsize
 
 
 def _decode_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, window: int | None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..kernel_ops import check_kernels
+from . import kv_quant
 from .attention import AttentionMetadata
 from .config import ModelConfig
 from .decoder_layer import Attention, DecoderLayer, local_heads
@@ -211,22 +212,26 @@ class CausalLM(nn.Module):
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str,
                       shard: Shard | None = None) -> torch.Tensor:
-    """Zeroed cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """Zeroed cache [num_layers, 2, num_blocks, block_size, num_kv_heads, W] of the cache
+    dtype `dtype`: W = head_dim for a float cache, head_dim + 4 for an int8 one (each row's
+    values, then its float32 scale: kv_quant.py).
 
     Zeros (not empty) matter: padded decode gathers read unused slots, and masked
-    keys must still be finite so they contribute exactly nothing.
+    keys must still be finite so they contribute exactly nothing (an int8 row of zeros has
+    scale 0.0: it reads as zeros).
     """
     layers, kv_heads = _local_kv_shape(config, shard or Shard())
-    return torch.zeros(layers, 2, num_blocks, block_size, kv_heads, config.head_dim,
-                       dtype=dtype, device=device)
+    return torch.zeros(layers, 2, num_blocks, block_size, kv_heads,
+                       kv_quant.row_width(config.head_dim, dtype), dtype=dtype, device=device)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype,
                              shard: Shard | None = None) -> int:
-    """Bytes one token's KV takes on the rank holding `shard` (default: the whole model)."""
+    """Bytes one token's KV takes in a cache of `dtype` on the rank holding `shard`
+    (default: the whole model); an int8 cache's scales included."""
     layers, kv_heads = _local_kv_shape(config, shard or Shard())
     elem = torch.empty((), dtype=dtype).element_size()
-    return layers * 2 * kv_heads * config.head_dim * elem
+    return layers * 2 * kv_heads * kv_quant.row_width(config.head_dim, dtype) * elem
 
 
 def _local_kv_shape(config: ModelConfig, shard: Shard) -> tuple[int, int]:

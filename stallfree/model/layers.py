@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kv_quant
 from .kernel_table import Choice, KernelTable, ensure
 from .linear import GatedLinear, Linear
 
@@ -22,18 +23,20 @@ def _fused(x: torch.Tensor, choice: Choice) -> bool:
 
 
 def cache_fits_rope(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether rope_and_cache's kernel can write a qkv of `dtype` into this cache."""
-    return (kv_cache.dtype == dtype and kv_cache.is_contiguous()
-            and kv_cache.shape[-1] % 32 == 0)
+    """Whether rope_and_cache's kernel can write a qkv of `dtype` into this cache: one of
+    its dtype, or an int8 one (whose rows it quantizes as kv_quant.quantize does)."""
+    return ((kv_cache.dtype == dtype or kv_quant.is_quantized(kv_cache.dtype))
+            and kv_cache.is_contiguous() and kv_quant.head_dim(kv_cache) % 32 == 0)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int,
                    kv_heads: int, kernels: KernelTable | None = None) -> bool:
     """RoPE on the q and k heads of qkv [T, (heads + 2 kv_heads) D] in place and the k and
-    v heads written to their cache slots, in the kernel of csrc/rope_cache.cpp (one pass
-    for what apply_rope and two index_copy_ do in six ops); False, with nothing done,
-    where it does not apply: the caller then takes the torch path."""
+    v heads written to their cache slots (quantized into an int8 cache), in the kernel of
+    csrc/rope_cache.cpp (one pass for what apply_rope and kv_quant.write do in six ops or
+    more); False, with nothing done, where it does not apply: the caller then takes the
+    torch path."""
     t = qkv.shape[0]
     if not (_fused(qkv, ensure(kernels).rope_cache) and cache_fits_rope(kv_cache, qkv.dtype)
             and cos.dtype == qkv.dtype):

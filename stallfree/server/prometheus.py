@@ -126,7 +126,7 @@ class ServerMetrics:
         self._engine_info.info({"model_name": self.model_name, "device": info.device,
                                 "dtype": info.dtype, "dtype_reason": info.dtype_reason,
                                 "threads": str(info.threads), "huge_pages": info.huge_pages,
-                                "weights": info.weights,
+                                "weights": info.weights, "kv_cache_dtype": info.kv_cache_dtype,
                                 "kernels": ",".join(f"{op}={impl}"
                                                     for op, impl, _ in info.kernels)})
 

@@ -7,7 +7,9 @@
 // registers where they are used, the query heads of a GQA group reading the same rows from
 // L1; on CPUs with AVX512_BF16, bf16 rows are multiplied as stored, in bf16-pair dot
 // products (paged_decode_pairs.h); in builds without AVX-512, over 8-float halves of the
-// vectors (paged_decode_halves.h). The rows of tiles ahead are asked for while the current
+// vectors (paged_decode_halves.h). int8 rows (paged_int8.h) are widened once per KV head for
+// its whole GQA group, each row's scale applied to its score and its softmax weight
+// (paged_decode_int8.h). The rows of tiles ahead are asked for while the current
 // one computes, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
@@ -36,60 +38,13 @@
 #include "paged_decode.h"
 #include "paged_decode_deal.h"
 #include "paged_decode_amx.h"
+#include "paged_decode_int8.h"
 #include "paged_decode_pairs.h"
 #include "paged_decode_query.h"
+#include "paged_decode_softmax.h"
 #include "vec.h"
 
 namespace {
-
-// Tokens per tile: two vectors of scores per query head, so the softmax's reductions across
-// lanes and its rescaling come once per 32 keys (1.04-1.23x per layer at 1-64 decodes
-// against tiles of 16, 2-core EPYC).
-constexpr int kTile = 2 * kLanes;
-
-// The scores of query heads [h0, h0 + count) (count <= HG) for the tile's n tokens and their
-// softmax step: each head's running max and sum move; p[i] gets its weights (tokens 0-15,
-// 16-31) and alpha[i] the factor by which what it accumulated so far shrinks (1 unless its
-// max rose). The heads go through each stage together: their reductions are short
-// dependent chains (a max across lanes, an exp, a sum), and side by side they overlap where
-// one head at a time waits on each (1.55x on L2-resident KV against one head at a time, in
-// the bf16-pairs path; caches of other dtypes take one head per pass). `cap` soft-caps the
-// scores before the tail is masked.
-
-template <typename T, int C, int HG>
-inline void softmax_steps(const vf* q, const T* k, const int64_t* rows, int n,
-                          const Partial& out, int64_t h0, int count, vf (*p)[2], float* alpha,
-                          const TileAhead<T, C * kLanes>& ahead, const SoftCap& cap) {
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vf minus_inf = vf{} - std::numeric_limits<float>::infinity();
-  const int n0 = std::min(n, kLanes), n1 = n - n0;
-  vf scores[HG][2];
-  float m[HG];
-  for (int i = 0; i < count; ++i) {
-    const TileAhead<T, C * kLanes>* asks = i == 0 ? &ahead : nullptr;
-    const vf s0 = cap(key_scores<T, C>(q + (h0 + i) * C, k, rows, asks, 0));
-    scores[i][0] = lane < n0 ? s0 : minus_inf;
-    if (n1 > 0) {
-      const vf s = cap(key_scores<T, C>(q + (h0 + i) * C, k, rows + kLanes, asks, kLanes));
-      scores[i][1] = lane < n1 ? s : minus_inf;
-    } else {
-      scores[i][1] = minus_inf;
-    }
-  }
-  for (int i = 0; i < count; ++i) {
-    const vf both = scores[i][0] > scores[i][1] ? scores[i][0] : scores[i][1];
-    m[i] = std::max(out.max[h0 + i], hmax(both));
-  }
-  for (int i = 0; i < count; ++i) {
-    const int64_t h = h0 + i;
-    alpha[i] = m[i] > out.max[h] ? std::exp(out.max[h] - m[i]) : 1.f;
-    out.max[h] = m[i];
-    p[i][0] = lane < n0 ? exp_nonpositive(scores[i][0] - m[i]) : vf{};
-    p[i][1] = lane < n1 ? exp_nonpositive(scores[i][1] - m[i]) : vf{};
-  }
-  for (int i = 0; i < count; ++i)
-    out.sum[h0 + i] = out.sum[h0 + i] * alpha[i] + hsum(p[i][0] + p[i][1]);
-}
 
 // Up to kTile consecutive tokens (`n` of them, their cache rows at `rows`, the tail repeating
 // the first) for every query head: scores, online softmax, then the weighted V rows.
@@ -154,7 +109,8 @@ constexpr int kAhead = 1;
 template <typename T, int C>
 void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
             const int64_t* table, const Item& item, const Partial& out) {
-  const int64_t H = s.heads, bs = s.block_size, row_len = s.kv_heads * C * kLanes;
+  const int64_t H = s.heads, bs = s.block_size;
+  const int64_t row_len = s.kv_heads * row_elems<T>(C * kLanes);
   std::fill(out.max, out.max + H, -std::numeric_limits<float>::infinity());
   std::fill(out.sum, out.sum + H, 0.f);
   std::fill(out.acc, out.acc + H * C * kLanes, 0.f);
@@ -182,7 +138,11 @@ void attend(const Shape& s, const vf* q, const T* k_cache, const T* v_cache,
     const int64_t ahead = start + kAhead * kTile;
     const int64_t slot = (i + kAhead) % (kAhead + 1);
     count[slot] = ahead < item.end ? offsets(ahead, rows[slot]) : 0;
-    attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], count[i], out, rows[slot], count[slot]);
+    if constexpr (std::is_same_v<T, int8_t>)  // paged_decode_int8.h
+      attend_tile_int8<C>(s, q, k_cache, v_cache, rows[i], count[i], out, rows[slot],
+                          count[slot]);
+    else
+      attend_tile<T, C>(s, q, k_cache, v_cache, rows[i], count[i], out, rows[slot], count[slot]);
     i = (i + 1) % (kAhead + 1);
   }
 }
@@ -200,7 +160,7 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
          TileQuery tq) {
   const int64_t H = s.heads, D = s.dim;
   const T* k_cache = cache;
-  const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * D;
+  const T* v_cache = cache + s.num_blocks * s.block_size * s.kv_heads * row_elems<T>(D);
   const Deal deal = split < 0 ? deal_spans(lens, lo, rows)
                               : deal_fixed(lens, lo, rows, split, s.block_size);
   const std::vector<Item>& items = deal.items;
@@ -277,8 +237,9 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
 }
 
 // q [B, Hq, D] (last dim contiguous), kv_cache [2, num_blocks, block_size, Hkv, D]
-// contiguous, block_tables [B, max_blocks] int64, context_lens [B] int64 (keys each query
-// sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
+// contiguous (float32, bf16, fp16; or int8 [..., Hkv, D + 4], rows of D values and their
+// float32 scale, paged_int8.h), block_tables [B, max_blocks] int64, context_lens [B] int64
+// (keys each query sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
 // (deal_fixed; 0: whole requests), or -1 (the engine's): a span per thread (deal_spans).
 // `tiles`: scores in AMX tiles where the CPU and the shapes allow it (paged_decode_amx.h),
 // else the vector path. `window` > 0: each query sees only its last `window` keys (a
@@ -295,7 +256,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0");
   const Shape s{q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1),
                 block_tables.size(-1), SoftCap(static_cast<float>(softcap))};
-  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0,
+  const bool int8 = kv_cache.scalar_type() == at::kChar;  // rows of D values and a scale
+  TORCH_CHECK(kv_cache.size(4) == (int8 ? row_elems<int8_t>(s.dim) : s.dim) &&
+                  s.heads % s.kv_heads == 0,
               "q and kv_cache disagree on head_dim or the GQA group");
   const int64_t rows = q.size(0);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows &&
@@ -341,6 +304,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
     case at::kFloat: dispatch(kv_cache.data_ptr<float>()); break;
     case at::kBFloat16: dispatch(kv_cache.data_ptr<c10::BFloat16>()); break;
     case at::kHalf: dispatch(kv_cache.data_ptr<c10::Half>()); break;
+    case at::kChar: dispatch(kv_cache.data_ptr<int8_t>()); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", kv_cache.scalar_type());
   }
   return out;

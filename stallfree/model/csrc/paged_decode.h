@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "paged_decode_softcap.h"
+#include "paged_int8.h"
 #include "vec.h"
 
 namespace {
@@ -69,26 +70,32 @@ constexpr int kPrefetchLocality = 3;
 constexpr int kPrefetchLocality = 2;
 #endif
 
-// Asks for `bytes` bytes from p on.
-template <typename T>
+// Asks for `bytes` bytes from p on. Rows of a float cache are whole lines; an int8 cache's
+// (D + 4 bytes) start anywhere in one, so their last byte's line is asked for too (`odd`).
+template <typename T, bool odd = false>
 __attribute__((always_inline)) inline void prefetch_bytes(const T* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kPrefetchLocality);
+  if constexpr (odd)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + bytes - 1, 0, kPrefetchLocality);
 }
 
 // The rows of a tile ahead, asked for a token at a time: its token j's K bytes or V bytes, if
-// it has a token j; D dims of one KV head (a compile-time count, so the asking unrolls).
+// it has a token j; D dims of one KV head (a compile-time count, so the asking unrolls), and
+// an int8 row's scale.
 template <typename T, int D>
 struct TileAhead {
+  static constexpr int64_t kBytes = row_elems<T>(D) * int64_t(sizeof(T));
+  static constexpr bool kOdd = kRowExtra<T> != 0;
   const T* k;  // the cache at the KV head's first dim
   const T* v;
   const int64_t* rows;
   int n;
   __attribute__((always_inline)) void ask_k(int j) const {
-    if (j < n) prefetch_bytes(k + rows[j], D * int64_t(sizeof(T)));
+    if (j < n) prefetch_bytes<T, kOdd>(k + rows[j], kBytes);
   }
   __attribute__((always_inline)) void ask_v(int j) const {
-    if (j < n) prefetch_bytes(v + rows[j], D * int64_t(sizeof(T)));
+    if (j < n) prefetch_bytes<T, kOdd>(v + rows[j], kBytes);
   }
 };
 
@@ -96,9 +103,10 @@ struct TileAhead {
 template <typename T>
 inline void prefetch_rows(const T* k, const T* v, const int64_t* rows, int n, int64_t offset,
                           int64_t bytes) {
+  constexpr bool odd = kRowExtra<T> != 0;
   for (int j = 0; j < n; ++j) {
-    prefetch_bytes(k + rows[j] + offset, bytes);
-    prefetch_bytes(v + rows[j] + offset, bytes);
+    prefetch_bytes<T, odd>(k + rows[j] + offset, bytes);
+    prefetch_bytes<T, odd>(v + rows[j] + offset, bytes);
   }
 }
 

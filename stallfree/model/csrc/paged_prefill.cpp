@@ -1,6 +1,6 @@
-// Prefill attention over the paged KV cache (CPU; bfloat16 or float32 cache): the op, its
-// checks and its threads. The work items and their paths are in paged_prefill.h (bf16) and
-// paged_prefill_f32.h.
+// Prefill attention over the paged KV cache (CPU; bfloat16, float32 or int8 cache): the op,
+// its checks and its threads. The work items and their paths are in paged_prefill.h (bf16)
+// and paged_prefill_f32.h (float32, and int8 rows dequantized a step at a time).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -57,19 +57,29 @@ void on_threads(int64_t count, Body&& body) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(take); });
 }
 
-// The float32 path (paged_prefill_f32.h).
+// The float32 path (paged_prefill_f32.h), over a float32 cache or an int8 one (float32 q).
 void prefill_f32(const at::Tensor& q, const at::Tensor& kv_cache, const Layout& l,
                  const std::vector<Chunk>& chunks, float scale, at::Tensor& out) {
   const float* qp = q.data_ptr<float>();
-  const float* k_cache = kv_cache.data_ptr<float>();
-  const float* v_cache = k_cache + kv_cache.numel() / 2;
   float* op = out.data_ptr<float>();
   const std::vector<Item> items = make_items(chunks, l, kF32Queries, kF32Keys);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   on_threads(static_cast<int64_t>(items.size()), [&](const auto& take) {
-    F32Scratch scratch(l.dim);
-    for (int64_t j; (j = take()) >= 0;) {
-      const Item& it = items[j];
-      attend_item_f32(l, chunks[it.chunk], it, qp, k_cache, v_cache, scale, op, scratch);
+    const auto run = [&](auto& cache) {
+      F32Scratch scratch(l.dim);
+      for (int64_t j; (j = take()) >= 0;) {
+        const Item& it = items[j];
+        attend_item_f32(l, chunks[it.chunk], it, qp, cache, scale, op, scratch);
+      }
+    };
+    if (int8) {
+      const int8_t* k = kv_cache.data_ptr<int8_t>();
+      Int8Rows cache(k, k + kv_cache.numel() / 2, l.row_len(), l.dim);
+      run(cache);
+    } else {
+      const float* k = kv_cache.data_ptr<float>();
+      F32Rows cache{k, k + kv_cache.numel() / 2, l.row_len()};
+      run(cache);
     }
   });
 }
@@ -138,7 +148,9 @@ void prefill_bf16(const at::Tensor& q, const at::Tensor& kv_cache, const Layout&
 }
 
 // q [T, Hq, D] (last dim contiguous; rows may be strided), kv_cache [2, num_blocks,
-// block_size, Hkv, D] contiguous, both bfloat16 or both float32, with every chunk's own keys
+// block_size, Hkv, D] contiguous, both bfloat16 or both float32 (or an int8 cache [..., Hkv,
+// D + 4] of rows and their scales, paged_int8.h, under a float32 or bfloat16 q: the float32
+// path, a bf16 q widened first and the output rounded back), with every chunk's own keys
 // and values written. Chunk i owns the next query_lens[i] rows of q and sees context_lens[i]
 // keys through block_tables[i]. Returns [T, Hq, D] in q's dtype. `tiles`: a bf16 cache's
 // products in AMX tiles where the CPU allows, else in AVX512_BF16 vectors. `window` > 0: a
@@ -153,13 +165,21 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (f32 || q.scalar_type() == at::kBFloat16),
               "paged_prefill: q must be bf16 or float32 [T, Hq, D] with contiguous rows of a "
               "head");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == q.scalar_type(),
-              "paged_prefill: kv_cache must be a contiguous [2, blocks, bs, Hkv, D] of q's dtype");
+                  (int8 || kv_cache.scalar_type() == q.scalar_type()),
+              "paged_prefill: kv_cache must be a contiguous [2, blocks, bs, Hkv, D] of q's dtype "
+              "or int8");
+  if (int8 && !f32) {  // a bf16 q over an int8 cache: the float32 path, in float32
+    const at::Tensor wide = paged_prefill(q.to(at::kFloat), kv_cache, block_tables, query_lens,
+                                          context_lens, scale, tiles, window, softcap);
+    return wide.to(q.scalar_type());
+  }
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0");
   const Layout l{q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1),
-                 q.stride(0), q.stride(1), window, SoftCap(static_cast<float>(softcap))};
-  TORCH_CHECK(kv_cache.size(4) == l.dim && l.heads % l.kv_heads == 0,
+                 q.stride(0), q.stride(1), window, SoftCap(static_cast<float>(softcap)),
+                 int8 ? kRowExtra<int8_t> : 0};
+  TORCH_CHECK(kv_cache.size(4) == l.dim + l.extra && l.heads % l.kv_heads == 0,
               "paged_prefill: q and kv_cache disagree on head_dim or the GQA group");
   TORCH_CHECK(l.dim % 32 == 0 && l.block_size % 16 == 0,
               "paged_prefill needs head_dim % 32 == 0 and block_size % 16 == 0");

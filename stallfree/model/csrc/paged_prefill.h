@@ -54,7 +54,8 @@ struct Layout {
   int64_t heads, kv_heads, dim, block_size, num_blocks, q_row, q_head;
   int64_t window;  // > 0: the sliding window's length; 0: full causal attention
   SoftCap cap;
-  int64_t row_len() const { return kv_heads * dim; }
+  int64_t extra = 0;  // elements after a row's dims: an int8 cache's scale (paged_int8.h)
+  int64_t row_len() const { return kv_heads * (dim + extra); }
   int64_t steps(int64_t keys) const { return (keys + kKeys - 1) / kKeys; }
   // The first key a query at position `pos` sees.
   int64_t first_key(int64_t pos) const {

@@ -9,7 +9,8 @@
 //   out^T[d]   += V[t][d] * P^T[t]         (V rows read in place; out^T in the scratch, a
 //                                           register's worth of dims at a time)
 // The softmax is online, as in the bf16 paths (paged_prefill.h): its max moves only by more
-// than kF32Slack, and masked keys weigh exactly 0.
+// than kF32Slack, and masked keys weigh exactly 0. An int8 cache's rows (paged_int8.h) take
+// the same loops, each step's rows dequantized first (Int8Rows).
 #pragma once
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "native_vec.h"
+#include "paged_int8.h"
 #include "paged_prefill.h"
 
 namespace {
@@ -72,13 +74,49 @@ inline void step_values(const float* v, int64_t row_len, int64_t keys, int64_t d
   }
 }
 
+// Where a step's K and V rows come from, as float rows `stride` apart: keys(offset) the
+// step's kF32Keys K rows, values(offset, n) its first n V rows, from cache offset `offset`.
+// A float cache's are read in place.
+struct F32Rows {
+  const float* k;
+  const float* v;
+  int64_t stride;  // the cache's row length
+  const float* keys(int64_t offset) const { return k + offset; }
+  const float* values(int64_t offset, int64_t) const { return v + offset; }
+};
+
+// An int8 cache's (paged_int8.h) are dequantized into a buffer of the thread's first: the
+// loops below then read the values a float cache holding s * q would give them, so over
+// such a cache the two paths agree to the bit. Each item dequantizes its steps' rows again
+// (the items of a GQA group and of a chunk's query tiles share them, as they share a float
+// cache's rows from L2): a call took 1.05-1.1x the float cache's time at 64 dims (2-core
+// EPYC, 512-token chunks); prefill is bound by its products, not by the cache's bytes.
+struct Int8Rows {
+  Int8Rows(const int8_t* k, const int8_t* v, int64_t row_len, int64_t dim)
+      : k(k), v(v), row_len(row_len), dim(dim), stride(dim), buf(2 * kF32Keys * dim) {}
+  const int8_t* k;
+  const int8_t* v;
+  int64_t row_len, dim, stride;
+  std::vector<float> buf;  // the step's K rows, then its V rows
+  const float* keys(int64_t offset) {
+    dequantize_rows(k + offset, row_len, kF32Keys, dim, buf.data());
+    return buf.data();
+  }
+  const float* values(int64_t offset, int64_t n) {
+    dequantize_rows(v + offset, row_len, n, dim, buf.data() + kF32Keys * dim);
+    return buf.data() + kF32Keys * dim;
+  }
+};
+
 // One item's attention into out [rows, heads, dim]. Keys past the context are read only for
 // scores that are then masked (a step's rows lie in one block: block_size % 16 == 0),
-// and never as values, so whatever the slots past it hold cannot reach the output.
-void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const float* q,
-                     const float* k_cache, const float* v_cache, float scale, float* out,
-                     F32Scratch& s) {
-  const int64_t D = l.dim, row_len = l.row_len();
+// and never as values, so whatever the slots past it hold cannot reach the output. Not
+// inlined: inlined into its thread's loop (as GCC 12 did once it was a template), the
+// float32 path took 1.05-1.1x the time per call (2-core EPYC, 512-token chunks).
+template <typename Rows>
+__attribute__((noinline)) void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const float* q,
+                     Rows& cache, float scale, float* out, F32Scratch& s) {
+  const int64_t D = l.dim, row_len = cache.stride;
   const int64_t kv = it.head / (l.heads / l.kv_heads);
   const int64_t q0 = it.tile * kF32Queries;
   const int64_t nq = std::min(kF32Queries, c.query_len - q0);
@@ -95,10 +133,11 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
   vn max = splat(kF32Masked), sum = vn{};
   for (int64_t step = it.first; step < it.steps; ++step) {
     const int64_t t0 = step * kF32Keys;
-    const int64_t offset = token_row(l, c, t0) + kv * D;
+    const int64_t offset = token_row(l, c, t0) + kv * (D + l.extra);
+    const float* k = cache.keys(offset);
     vn scores[kF32Keys];
     for (int64_t t = 0; t < kF32Keys; t += kPassKeys)
-      pass_scores(k_cache + offset + t * row_len, row_len, s, D, scores + t);
+      pass_scores(k + t * row_len, row_len, s, D, scores + t);
     if (l.cap.on())
       for (int64_t t = 0; t < kF32Keys; ++t) scores[t] = l.cap(scores[t]);
     // On the diagonal, key t0 + t is hidden from query lane i when t0 + t > pos0 + i; keys
@@ -134,7 +173,8 @@ void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const floa
       sum += p;
       store_vn(s.weights + t * kF32Queries, p);
     }
-    step_values(v_cache + offset, row_len, std::min(kF32Keys, limit - t0), D, s);
+    const int64_t keys = std::min(kF32Keys, limit - t0);
+    step_values(cache.values(offset, keys), row_len, keys, D, s);
   }
   alignas(64) float inv[kWidth];
   store_vn(inv, 1.f / sum);
