@@ -7,10 +7,10 @@
 // registers where they are used, the query heads of a GQA group reading the same rows from
 // L1; on CPUs with AVX512_BF16, bf16 rows are multiplied as stored, in bf16-pair dot
 // products (paged_decode_pairs.h); in builds without AVX-512, over 8-float halves of the
-// vectors (paged_decode_halves.h). int8 rows (paged_int8.h) are widened once per KV head for
-// its whole GQA group, each row's scale applied to its score and its softmax weight
-// (paged_decode_int8.h). The rows of tiles ahead are asked for while the current
-// one computes, since blocks lie anywhere in the cache.
+// vectors (paged_decode_halves.h). int8 rows (paged_int8.h) are widened once for up to 4
+// query heads of a GQA group (3 in AVX2 builds), each row's scale applied to its score and
+// its softmax weight (paged_decode_int8.h). The rows of tiles ahead are asked for while the
+// current one computes, since blocks lie anywhere in the cache.
 //
 // Threads: a request's context may be cut into parts (flash-decoding), each part a work
 // item with its own softmax state; each thread takes an equal share of the batch's tokens
@@ -239,8 +239,9 @@ void run(const Shape& s, const VectorQuery& q, const T* cache, const int64_t* ta
 // q [B, Hq, D] (last dim contiguous), kv_cache [2, num_blocks, block_size, Hkv, D]
 // contiguous (float32, bf16, fp16; or int8 [..., Hkv, D + 4], rows of D values and their
 // float32 scale, paged_int8.h), block_tables [B, max_blocks] int64, context_lens [B] int64
-// (keys each query sees, its own included). Returns [B, Hq, D] in q's dtype. `split`: tokens per work item
-// (deal_fixed; 0: whole requests), or -1 (the engine's): a span per thread (deal_spans).
+// (keys each query sees, its own included). Returns [B, Hq, D] in q's dtype. `split`:
+// tokens per work item (deal_fixed; 0: whole requests), or -1 (the engine's): a span per
+// thread (deal_spans).
 // `tiles`: scores in AMX tiles where the CPU and the shapes allow it (paged_decode_amx.h),
 // else the vector path. `window` > 0: each query sees only its last `window` keys (a
 // sliding window: the work starts there, so a long context costs no more than the window);

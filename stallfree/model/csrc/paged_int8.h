@@ -38,20 +38,29 @@ inline float row_scale(const int8_t* p, int64_t dim) {
   return s;
 }
 
-// A register's worth (native_vec.h: 16 lanes, or 8 in AVX2 builds) of int8 values widened
-// to fp32: vpmovsxbd + vcvtdq2ps, in intrinsics, since GCC 12 widens a vector of int8
-// (__builtin_convertvector) a lane at a time through the general registers.
+// int8 values widened to fp32: vpmovsxbd + vcvtdq2ps, in intrinsics, since GCC 12 widens a
+// vector of int8 (__builtin_convertvector) a lane at a time through the general registers.
+
+// 8 values, whatever the build's width.
+inline vf8 load8_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+#else
+  vf8 v;
+  for (int l = 0; l < 8; ++l) v[l] = p[l];
+  return v;
+#endif
+}
+
+// A register's worth (native_vec.h: 16 lanes, or 8 in AVX2 builds).
 inline vn load_vn_int8(const int8_t* p) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<vn>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<vn>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
 #else
-  vn v;
-  for (int l = 0; l < kWidth; ++l) v[l] = p[l];
-  return v;
+  static_assert(kWidth == 8);
+  return reinterpret_cast<vn>(load8_int8(p));
 #endif
 }
 

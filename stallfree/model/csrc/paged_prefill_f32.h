@@ -114,8 +114,9 @@ struct Int8Rows {
 // inlined: inlined into its thread's loop (as GCC 12 did once it was a template), the
 // float32 path took 1.05-1.1x the time per call (2-core EPYC, 512-token chunks).
 template <typename Rows>
-__attribute__((noinline)) void attend_item_f32(const Layout& l, const Chunk& c, const Item& it, const float* q,
-                     Rows& cache, float scale, float* out, F32Scratch& s) {
+__attribute__((noinline)) void attend_item_f32(const Layout& l, const Chunk& c, const Item& it,
+                                               const float* q, Rows& cache, float scale,
+                                               float* out, F32Scratch& s) {
   const int64_t D = l.dim, row_len = cache.stride;
   const int64_t kv = it.head / (l.heads / l.kv_heads);
   const int64_t q0 = it.tile * kF32Queries;
