@@ -89,8 +89,9 @@ struct F32Rows {
 // loops below then read the values a float cache holding s * q would give them, so over
 // such a cache the two paths agree to the bit. Each item dequantizes its steps' rows again
 // (the items of a GQA group and of a chunk's query tiles share them, as they share a float
-// cache's rows from L2): a call took 1.05-1.1x the float cache's time at 64 dims (2-core
-// EPYC, 512-token chunks); prefill is bound by its products, not by the cache's bytes.
+// cache's rows from L2): a call took 1.05-1.2x the float cache's time at 64 dims (2-core
+// EPYC, 512-token chunks after 1,536 and 0 cached tokens); prefill is bound by its
+// products, not by the cache's bytes.
 struct Int8Rows {
   Int8Rows(const int8_t* k, const int8_t* v, int64_t row_len, int64_t dim)
       : k(k), v(v), row_len(row_len), dim(dim), stride(dim), buf(2 * kF32Keys * dim) {}
