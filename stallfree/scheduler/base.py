@@ -113,11 +113,10 @@ class Scheduler:
     def _check_fits(self, request: Request) -> None:
         """Rejects a request the cache could never carry to its end.
 
-        Accepting one would livelock: it would be preempted (or refused
-        admission) forever. A request alone with every block free must be able
-        to reach its longest length, and its first chunk must be admissible
-        with the watermark kept free. Without chunking, the first "chunk" can
-        be a whole recompute after preemption: prompt plus every output so far.
+        Accepting one would livelock: it would be preempted (or refused admission)
+        forever. A request alone with every block free must reach its longest length,
+        and its first chunk must be admissible with the watermark kept free. Without
+        chunking, the first "chunk" can be a whole recompute: prompt plus outputs.
         """
         bm, rid = self.block_manager, request.request_id
         max_output = self.config.max_model_len - request.num_prompt_tokens

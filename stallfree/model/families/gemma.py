@@ -29,13 +29,13 @@ def _gemma3_local(pattern: int):
 def _common(raw: HFConfig, local) -> dict[str, Any]:
     return {"sandwich_norms": True, "embedding_scale": raw["hidden_size"] ** 0.5,
             "attention_scale": raw.get("query_pre_attn_scalar", raw.get("head_dim", 256)) ** -0.5,
+            "attn_logit_softcap": raw.get("attn_logit_softcapping"),
+            "final_logit_softcap": raw.get("final_logit_softcapping"),
             **hf_windows(raw, local)}
 
 
 def _gemma2_hf(raw: HFConfig) -> dict[str, Any]:
-    return {**_common(raw, _gemma2_local),
-            "attn_logit_softcap": raw.get("attn_logit_softcapping"),
-            "final_logit_softcap": raw.get("final_logit_softcapping")}
+    return _common(raw, _gemma2_local)
 
 
 def _gemma3_hf(raw: HFConfig) -> dict[str, Any]:
@@ -44,9 +44,7 @@ def _gemma3_hf(raw: HFConfig) -> dict[str, Any]:
                                                     raw.get("rope_local_base_freq", 10000.0))
     pattern = raw.get("_sliding_window_pattern") or raw.get("sliding_window_pattern") or 6
     return {**_common(raw, _gemma3_local(pattern)), "qk_norm": True,
-            "local_rope_theta": float(local),
-            "attn_logit_softcap": raw.get("attn_logit_softcapping"),
-            "final_logit_softcap": raw.get("final_logit_softcapping")}
+            "local_rope_theta": float(local)}
 
 
 def _gguf_common(key: GGUFKey, local) -> dict[str, Any]:
