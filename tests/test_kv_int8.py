@@ -222,11 +222,20 @@ def test_int8_holds_4d_over_d_plus_4_times_the_float32_blocks(int8_llm):
     assert int8_blocks == budget // (per_token * (d + 4) * BLOCK)
 
 
-def test_the_layer_loop_refuses_an_int8_cache(int8_llm):
-    engine = int8_llm.engine
-    loop = engine.executor.model.layer_loop
-    if loop is None:
-        pytest.skip(f"no layer loop here: {engine.executor.model.layer_loop_reason}")
-    x = torch.zeros(1, engine.model_config.hidden_size)
-    meta = AttentionMetadata.build([(0, 1, [0])], BLOCK, "cpu")
-    assert not loop.fits(x, meta, engine.executor.runner.kv_cache)
+@needs_kernel
+def test_the_kernels_and_the_layer_loop_give_the_torch_path_s_tokens(int8_llm):
+    """The int8 rows written by the RoPE/cache kernel and read in place by the attention
+    kernels, inside the C++ layer loop where it is built: the torch path's greedy tokens."""
+    reference = _tokens(int8_llm, PROMPTS)
+    llm = LLM(None, dtype="float32", quantization="none", kv_cache_dtype="int8",
+              kv_cache_memory=64 << 20, max_model_len=2048)
+    try:
+        engine = llm.engine
+        loop = engine.executor.model.layer_loop
+        if loop is not None:  # the loop takes a decode over the int8 cache
+            x = torch.zeros(1, engine.model_config.hidden_size)
+            meta = AttentionMetadata.build([(0, 1, [0])], BLOCK, "cpu", kernels=loop.kernels)
+            assert loop.fits(x, meta, engine.executor.runner.kv_cache)
+        assert _tokens(llm, PROMPTS) == reference
+    finally:
+        llm.shutdown()

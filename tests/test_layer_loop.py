@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kernel_paths import engine_kernels
 from stallfree import LLM, SamplingParams
 from stallfree.kernel_ops import reference
-from stallfree.model import AttentionMetadata, allocate_kv_cache, load_model
+from stallfree.model import AttentionMetadata, allocate_kv_cache, kv_quant, load_model
 from stallfree.model.attention import GatherWorkspace
 from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
@@ -52,14 +52,19 @@ def model_dir(tmp_path_factory) -> str:
 PYTHON_LOOP = {"layer_loop": "python"}
 
 
-def _forward(path, seqs, seed: int, loop: bool, dtype=torch.bfloat16):
+def _forward(path, seqs, seed: int, loop: bool, dtype=torch.bfloat16, cache_dtype=None):
     """(hidden states, KV cache) of one forward over `seqs` [(cached, new, table)] with a
-    random cache, by the model loaded with the C++ loop or without; asserts it was taken."""
+    random cache (of `cache_dtype`, the model's by default), by the model loaded with the
+    C++ loop or without; asserts it was taken."""
     model, config = _load(path, dtype, {} if loop else PYTHON_LOOP)
     assert (model.layer_loop is not None) == loop
     gen = torch.Generator().manual_seed(seed)
-    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
-    kv.copy_(torch.randn(kv.shape, generator=gen))
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, cache_dtype or dtype, "cpu")
+    if kv_quant.is_quantized(kv.dtype):
+        kv.copy_(kv_quant.quantize(torch.randn((*kv.shape[:-1], config.head_dim),
+                                               generator=gen)))
+    else:
+        kv.copy_(torch.randn(kv.shape, generator=gen))
     rows = sum(n for _, n, _ in seqs)
     ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
     pos = torch.cat([torch.arange(c, c + n) for c, n, _ in seqs])
@@ -113,6 +118,23 @@ def test_property_the_float32_loop_equals_the_python_layers(model_dir, chunks, d
     seqs = _batch(chunks, decodes, seed)
     hidden, kv = _forward(model_dir, seqs, seed, True, torch.float32)
     ref_hidden, ref_kv = _forward(model_dir, seqs, seed, False, torch.float32)
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(kv, ref_kv)
+
+
+@needs_f32_loop
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks=st.lists(st.tuples(st.integers(0, 400), st.integers(2, 200)), max_size=2),
+       decodes=st.lists(st.integers(1, 500), max_size=8), seed=st.integers(0, 2**16))
+def test_property_the_loop_over_an_int8_cache_equals_the_python_layers(model_dir, chunks,
+                                                                       decodes, seed):
+    """Over an int8 KV cache (kv_quant.py) the loop's kernels write and read the rows as
+    the Python layers' do: the same hidden states, the same quantized rows and scales."""
+    if not chunks and not decodes:
+        decodes = [1]
+    seqs = _batch(chunks, decodes, seed)
+    hidden, kv = _forward(model_dir, seqs, seed, True, torch.float32, torch.int8)
+    ref_hidden, ref_kv = _forward(model_dir, seqs, seed, False, torch.float32, torch.int8)
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(kv, ref_kv)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kv_quant, linear, paged_decode
+from . import linear, paged_decode
 from . import layers as fused
 from .attention import AttentionMetadata
 from .config import ModelConfig
@@ -119,10 +119,8 @@ class LayerLoop:
         """Whether this batch takes the C++ loop: each call there is the kernel the Python
         path would choose for it (after `meta.prepare`). The table chose the kernels for
         every op of a layer (`build`); what is left are the batch's own facts."""
-        # Not over an int8 cache (kv_quant.py) until the loop's attention kernels read one.
         if not (x.device.type == "cpu" and x.dtype == self.weights[0].dtype and x.dim() == 2
                 and x.is_contiguous() and self._matmuls_run(x.shape[0])
-                and not kv_quant.is_quantized(kv_cache.dtype)
                 and fused.cache_fits_rope(kv_cache, x.dtype)
                 and kv_cache.shape[0] * WEIGHTS_PER_LAYER == len(self.weights)):
             return False

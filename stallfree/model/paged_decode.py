@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import kv_quant
 from .kernels import LIBRARY
 
 if TYPE_CHECKING:
@@ -30,12 +31,7 @@ def usable(kv_cache: torch.Tensor, table: KernelTable) -> bool:
     """Whether decode attention over this layer's cache [2, blocks, bs, Hkv, D] runs in the
     kernel (the query is on the cache's device)."""
     return (table.decode_attention.kernel and kv_cache.device.type == "cpu"
-            and kv_cache.dtype in DTYPES and head_dim(kv_cache) in HEAD_DIMS)
-
-
-def head_dim(kv_cache: torch.Tensor) -> int:
-    """The head size of a cache's rows: an int8 row ends in its 4-byte scale."""
-    return kv_cache.shape[-1] - (4 if kv_cache.dtype == torch.int8 else 0)
+            and kv_cache.dtype in DTYPES and kv_quant.head_dim(kv_cache) in HEAD_DIMS)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

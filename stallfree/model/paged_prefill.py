@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import kernels
+from . import kernels, kv_quant
 from .kernels import bf16_vectors_unavailable_reason
-from .paged_decode import head_dim
 
 if TYPE_CHECKING:
     from .kernel_table import KernelTable
@@ -31,7 +30,7 @@ def usable(kv_cache: torch.Tensor, table: KernelTable) -> bool:
     """Whether prefill chunks over this layer's cache [2, blocks, block_size, Hkv, D] run in
     the kernel."""
     return (table.prefill_attention.kernel and kv_cache.device.type == "cpu"
-            and kv_cache.dtype in DTYPES and head_dim(kv_cache) % 32 == 0
+            and kv_cache.dtype in DTYPES and kv_quant.head_dim(kv_cache) % 32 == 0
             and kv_cache.shape[2] % 16 == 0 and unavailable_reason(kv_cache.dtype) is None)
 
 

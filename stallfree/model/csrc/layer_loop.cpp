@@ -121,7 +121,7 @@ std::tuple<Tensor, Tensor> decoder_layers(
     int64_t kv_heads, int64_t gate_up_features, double eps, double scale, bool attention_tiles,
     const std::optional<Tensor>& final_norm, at::IntArrayRef quant_formats) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
-              "kv_cache [layers, 2, blocks, block_size, Hkv, D] expected");
+              "kv_cache [layers, 2, blocks, block_size, Hkv, D (int8: D + 4)] expected");
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights per layer expected for ", layers,
@@ -132,7 +132,10 @@ std::tuple<Tensor, Tensor> decoder_layers(
   TORCH_CHECK(prefill_rows == 0 || prefill.size() == 3,
               "decoder_layers: prefill rows need [block tables, query lens, context lens]");
   const Kernels& k = kernels();
-  const int64_t rows = x.size(0), hidden = x.size(1), dim = kv_cache.size(-1);
+  // An int8 cache's rows end in their 4-byte float32 scale (kv_quant.py); the kernels
+  // below read and write that layout themselves.
+  const int64_t scale_bytes = kv_cache.scalar_type() == at::kChar ? 4 : 0;
+  const int64_t rows = x.size(0), hidden = x.size(1), dim = kv_cache.size(-1) - scale_bytes;
   const int64_t q_size = heads * dim, qkv_features = (heads + 2 * kv_heads) * dim;
   const Attention attention{decode_tables, decode_lens, prefill, prefill_rows, scale,
                             attention_tiles};
