@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import linear, paged_decode
 from . import layers as fused
+from . import linear, paged_decode
 from .attention import AttentionMetadata
 from .config import ModelConfig
 from .kernel_table import KernelTable
