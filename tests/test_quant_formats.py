@@ -21,7 +21,7 @@ from stallfree.model.quant_formats import (
 # Byte offsets of each type's float16 super-scales inside a block: random bytes there would
 # give inf/NaN/huge scales, so the tests overwrite them with moderate float16 values.
 F16_OFFSETS: dict[str, tuple[int, ...]] = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
     "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
 }
 
@@ -63,7 +63,7 @@ def test_from_gguf_matches_gguf_dequantize(name: str, n: int, blocks: int, seed:
     assert rows.dtype == np.uint8 and rows.shape == (n, fmt.row_bytes(k))
     ours = dequantize(torch.from_numpy(rows), fmt, k)
     assert ours.dtype == torch.float32 and ours.shape == (n, k)
-    # Bit-exact for all six types (Q4_0 up to the sign of zero, see bits()): every scale/min
+    # Bit-exact for every type (Q4_0 up to the sign of zero, see bits()): every scale/min
     # is formed with gguf's float32 products and the final multiply and add round the same
     # way as gguf's expression, so no tolerance is needed.
     np.testing.assert_array_equal(bits(ours.numpy()), bits(reference(raw, name, n, k)))
@@ -76,7 +76,7 @@ def test_formats_and_bits_per_weight() -> None:
         "q4_32": 6.0, "q8_32": 9.0, "q8_32m": 10.0, "q8_16": 10.0, "q8_16m": 12.0}
     assert FORMATS["q4_32"].row_bytes(576) == 288 + 18 * 8
     for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-              GGMLQuantizationType.BF16, GGMLQuantizationType.Q5_0):
+              GGMLQuantizationType.BF16, GGMLQuantizationType.IQ4_NL):
         assert gguf_format(t) is None
     assert gguf_format(int(GGMLQuantizationType.Q6_K)) is FORMATS["q8_16"]
 
@@ -98,7 +98,7 @@ def test_k_not_multiple_of_block(name: str) -> None:
     with pytest.raises(ValueError, match="not a whole number"):
         from_gguf(raw, name, block + block // 2)
     with pytest.raises(ValueError, match="not kept quantized"):
-        from_gguf(raw, "Q5_0", block)
+        from_gguf(raw, "IQ4_NL", block)
 
 
 @settings(max_examples=20, deadline=None)

@@ -16,7 +16,8 @@ expanded into exact float32 scales per 32- or 16-value group, and f16 scales bec
 float32. Bits per weight (file format -> ours):
   q4_32  : 4 + 32/32 + 32/32 = 6  (Q4_0 4.5, Q4_1 5, Q4_K 4.5)
   q8_32  : 8 + 32/32         = 9  (Q8_0 8.5)
-  q8_32m : 8 + 64/32         = 10 (Q5_K 5.5; the 5-bit values are widened to int8)
+  q8_32  : Q5_0 (5.5) too, its 5-bit values widened to int8
+  q8_32m : 8 + 64/32         = 10 (Q5_1 6, Q5_K 5.5; the 5-bit values are widened to int8)
   q8_16  : 8 + 32/16         = 10 (Q6_K 6.5625; the 6-bit values are widened to int8)
 Every product that forms a scale or a min (d * sc, dmin * m) is done in float32 as gguf's
 reference dequantizer does it, so `dequantize` reproduces `gguf.quants.dequantize`.
@@ -64,6 +65,8 @@ GGUF_FORMATS: dict[str, QuantFormat] = {
     "Q4_1": FORMATS["q4_32"],
     "Q4_K": FORMATS["q4_32"],
     "Q8_0": FORMATS["q8_32"],
+    "Q5_0": FORMATS["q8_32"],
+    "Q5_1": FORMATS["q8_32m"],
     "Q5_K": FORMATS["q8_32m"],
     "Q6_K": FORMATS["q8_16"],
 }
@@ -128,6 +131,17 @@ def _convert_blocks(name: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray,
         return blk[..., 4:], _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
     if name == "Q8_0":
         return blk[..., 2:], _f16(blk[..., 0:2])[..., None], None
+    if name in ("Q5_0", "Q5_1"):
+        # llama.cpp's fallback for rows a K-quant cannot cut into 256-value super-blocks
+        # (a 576-wide model's Q4_K_M is mostly Q5_0). Bit j of the little-endian qh is the
+        # fifth bit of value j; values 0-15 are qs' low nibbles, 16-31 its high ones.
+        qs_at = 6 if name == "Q5_0" else 8
+        high = np.unpackbits(blk[..., qs_at - 4:qs_at], axis=-1, bitorder="little")
+        q = np.concatenate(_nibbles(blk[..., qs_at:qs_at + 16]), axis=-1) | (high << np.uint8(4))
+        d = _f16(blk[..., 0:2])[..., None]
+        if name == "Q5_0":  # 0..31 minus 16 as an int8, kept as its two's-complement byte
+            return q - np.uint8(16), d, None
+        return q, d, _f16(blk[..., 2:4])[..., None]
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
         sc, mn = _k_scale_min(blk[..., 4:4 + _K_SCALE_SIZE])
