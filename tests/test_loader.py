@@ -148,9 +148,9 @@ def _write_gguf(path, arch: str = "llama") -> dict[str, tuple[np.ndarray, object
         "blk.0.attn_q.weight": (mat(HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
         "blk.0.attn_k.weight": (mat(KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_1),
         "blk.0.attn_v.weight": (mat(KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
-        "blk.0.attn_output.weight": (mat(HIDDEN, HEADS * HEAD_DIM), Q.F16),
+        "blk.0.attn_output.weight": (mat(HIDDEN, HEADS * HEAD_DIM), Q.Q5_0),
         "blk.0.ffn_gate.weight": (mat(FFN, HIDDEN), Q.Q4_1),
-        "blk.0.ffn_up.weight": (mat(FFN, HIDDEN), Q.Q4_0),
+        "blk.0.ffn_up.weight": (mat(FFN, HIDDEN), Q.Q5_1),
         "blk.0.ffn_down.weight": (mat(HIDDEN, FFN), Q.F32),
     }
     stored = {}
