@@ -1,7 +1,7 @@
 """What the engine's process holds in memory on the default model, per dtype.
 
 Run: .venv/bin/python benchmarks/process_memory.py [--dtypes bfloat16 float32]
-     [--quantizations auto none] [--kv-cache-memory 1GiB]
+     [--quantizations auto none] [--kv-cache-memory 1GiB] [--model PATH]
 
 Each dtype and `quantization` setting runs in a child process of its own (peak memory is
 per process): it loads the model, generates 32 tokens, and reports the kernel's counts for
@@ -30,11 +30,13 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(dtype: str, quantization: str, kv_cache_memory: int) -> dict[str, float]:
+def measure(dtype: str, quantization: str, kv_cache_memory: int,
+            model: str | None = None) -> dict[str, float]:
     """In this process: load, generate, and count."""
     from stallfree import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=kv_cache_memory, quantization=quantization)
+    llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, quantization=quantization,
+              max_model_len=2048)
     llm.generate(["Name three colours."], SamplingParams(max_tokens=32, ignore_eos=True))
     model = llm.engine.executor.model
     held = model.held_bytes()
@@ -50,16 +52,19 @@ def main() -> None:
     parser.add_argument("--quantizations", nargs="+", default=["auto"])
     parser.add_argument("--kv-cache-memory", default="1GiB",
                         help="KV cache size (bytes, or e.g. 512MiB)")
+    parser.add_argument("--model", default=None, help="GGUF or HF directory (default model)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         dtype, _, quantization = args.child.partition(":")
-        print(json.dumps(measure(dtype, quantization, parse_size(args.kv_cache_memory))))
+        print(json.dumps(measure(dtype, quantization, parse_size(args.kv_cache_memory),
+                                 args.model)))
         return
     from stallfree.executor.hardware import vector_flags
 
     flags = vector_flags()
-    print(f"CPU flags: {flags}; KV cache {args.kv_cache_memory}")
+    print(f"CPU flags: {flags}; KV cache {args.kv_cache_memory}; "
+          f"model {args.model or 'the default'}")
     columns = ["weights", "packings", "plain kept", "kv cache", "VmHWM", "VmRSS"]
     print("| dtype | quantization | " + " | ".join(f"{c} MB" for c in columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
@@ -67,7 +72,8 @@ def main() -> None:
         for quantization in args.quantizations:
             out = subprocess.run([sys.executable, __file__, "--child",
                                   f"{dtype}:{quantization}",
-                                  "--kv-cache-memory", args.kv_cache_memory],
+                                  "--kv-cache-memory", args.kv_cache_memory,
+                                  *(["--model", args.model] if args.model else [])],
                                  capture_output=True, text=True, check=True, timeout=600)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"| {dtype} | {quantization} | "

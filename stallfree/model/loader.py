@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from .config import ModelConfig
 from .decoder import CausalLM
@@ -101,11 +102,26 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
         model = CausalLM(config, shard)
     if plan is not None:
         plan.drop_weights(model)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    _allocate(model, dtype, device)
     model.reset_buffers()
     if device.type == "cpu" and dtype != torch.bfloat16:
         _column_major_matmul_weights(model)
     return model.eval().requires_grad_(False)
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Uninitialized storage on `device` for every meta parameter and buffer, floating ones
+    in `dtype`: what `.to(dtype).to_empty(device)` does, without torch's reference
+    `empty_like`, whose import of sympy cost the process ~32 MB of resident memory."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                empty = torch.empty(t.shape, device=device,
+                                    dtype=dtype if t.is_floating_point() else t.dtype)
+                table[name] = (nn.Parameter(empty, requires_grad=False)
+                               if isinstance(t, nn.Parameter) else empty)
 
 
 def _column_major_matmul_weights(model: CausalLM) -> None:
