@@ -221,6 +221,24 @@ def test_gguf_quant_types_load_exactly(tmp_path, monkeypatch, metadata):
         torch.testing.assert_close(permuted, deq(name), rtol=0, atol=0, msg=name)
 
 
+def test_info_names_what_a_load_keeps_quantized(tmp_path, monkeypatch):
+    """`stallfree info`'s weights line follows the load's plan: fused matrices held in their
+    common format, and a matrix of a type without a kernel (F16, F32) not counted."""
+    from stallfree.model import build_cache
+    from stallfree.model.loader import planned_weights
+    from stallfree.model.parallel import Shard
+
+    monkeypatch.setattr(build_cache, "build_dir", lambda: tmp_path / "build")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)
+    line, kept = planned_weights(str(path), "auto", torch.device("cpu"), Shard())
+    # qkv (Q4_0, Q4_1, Q8_0) and gate/up (Q4_1, Q5_1) fused in q8_16m; o (Q5_0) and the
+    # embedding (Q8_0) in q8_32; down (F32) and the LM head (F16) stay floats.
+    assert kept and line.endswith("kept quantized as q8_16m x2, q8_32 x2"), line
+    line, kept = planned_weights(str(path), "none", torch.device("cpu"), Shard())
+    assert not kept and "dequantized" in line
+
+
 def test_gguf_unknown_arch(tmp_path):
     import gguf
 

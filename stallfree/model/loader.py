@@ -18,7 +18,7 @@ from .families import config_from_hf, family_of
 from .gguf import gguf_named_tensors, gguf_tensors
 from .gguf_index import read_gguf
 from .parallel import Shard
-from .quant_formats import gguf_format
+from .quant_formats import common_format, gguf_format
 from .quant_load import (
     QUANTIZATION_CHOICES,
     GGUFQuantPlan,
@@ -204,9 +204,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard
     plan = None
     reason = keep_gguf_types_reason(quantization, device, shard)
     if reason is None:
-        with torch.device("meta"):
-            meta = CausalLM(config, shard)
-        plan = GGUFQuantPlan.build(meta, gguf_named_tensors(tensors, config))
+        plan = _quant_plan(config, tensors, shard)
     elif quantization == "auto":
         logger.info("GGUF weights dequantized to %s: %s", dtype, reason)
     model = _empty_model(config, dtype, device, shard, plan)
@@ -221,6 +219,13 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, shard: Shard
     return model, config
 
 
+def _quant_plan(config: ModelConfig, tensors: list, shard: Shard) -> GGUFQuantPlan:
+    """Which of the model's matrices a load keeps quantized, from the file's metadata."""
+    with torch.device("meta"):
+        meta = CausalLM(config, shard)
+    return GGUFQuantPlan.build(meta, gguf_named_tensors(tensors, config))
+
+
 # ---------------------------------------------------------------- what a load would do
 
 def planned_weights(path: str | None, quantization: str, device: torch.device,
@@ -232,7 +237,7 @@ def planned_weights(path: str | None, quantization: str, device: torch.device,
         if quantization == "int8":
             return "float checkpoint, quantized to per-channel int8 at load", True
         return "float checkpoint, kept in dtype", False
-    _, tensors = read_gguf(path)
+    config, tensors = read_gguf(path)
     types: dict[str, int] = defaultdict(int)
     for t in tensors:
         if len(t.shape) == 2:
@@ -243,5 +248,10 @@ def planned_weights(path: str | None, quantization: str, device: torch.device,
         return f"GGUF {listed}: dequantized, then quantized to per-channel int8", True
     if reason is not None:
         return f"GGUF {listed}: dequantized to dtype ({reason})", False
-    kept = sorted({gguf_format(name).name for name in types if gguf_format(name) is not None})
-    return f"GGUF {listed}: kept quantized as {', '.join(kept) or 'nothing'}", bool(kept)
+    # The plan a load makes: a fused matrix with one part of a type without a kernel (an
+    # F16 v beside Q4_K q and k) is dequantized whole, whatever its other parts' types.
+    held: dict[str, int] = defaultdict(int)
+    for parts in _quant_plan(config, tensors, shard).modules.values():
+        held[common_format({gguf_format(t.tensor_type) for t, _ in parts.values()}).name] += 1
+    kept = ", ".join(f"{name} x{count}" for name, count in sorted(held.items()))
+    return f"GGUF {listed}: kept quantized as {kept or 'nothing'}", bool(held)

@@ -266,9 +266,11 @@ def fuse(parts: list[tuple[torch.Tensor, QuantFormat]], k: int
          ) -> tuple[torch.Tensor, QuantFormat]:
     """The rows of several weights stacked as one (q, k and v; gate and up), in their common
     format: theirs where they share one, else q8_16m."""
-    formats = {fmt for _, fmt in parts}
-    if len(formats) == 1:
-        return torch.cat([rows for rows, _ in parts]), formats.pop()
-    common = FORMATS["q8_16m"]
+    common = common_format({fmt for _, fmt in parts})
     widened = [rows if fmt == common else widen(rows, fmt, k) for rows, fmt in parts]
     return torch.cat(widened), common
+
+
+def common_format(formats: set[QuantFormat]) -> QuantFormat:
+    """The format a fused weight of parts in `formats` is held in."""
+    return next(iter(formats)) if len(formats) == 1 else FORMATS["q8_16m"]
