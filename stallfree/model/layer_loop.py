@@ -78,6 +78,7 @@ class LayerLoop:
     kernels: KernelTable  # the model's: it packed the weights, and picks the attention
     heads: int
     kv_heads: int
+    head_dim: int  # the cache's rows may be wider (an int8 row ends in its scale)
     gate_up_features: int
     eps: float
     scale: float
@@ -112,6 +113,7 @@ class LayerLoop:
         dense_bf16 = any(w.dtype == torch.bfloat16 for i, w in enumerate(weights)
                          if i % WEIGHTS_PER_LAYER not in (0, 3))  # not the norms
         return cls(weights, quant_formats, kernels, attn.num_heads, attn.num_kv_heads,
+                   attn.head_dim,
                    layers[0].mlp.gate_up_proj.out_features, eps, attn.scale, norm,
                    dense_bf16), None
 
@@ -158,5 +160,6 @@ class LayerLoop:
         return torch.ops.stallfree.decoder_layers(
             x, self.weights, kv_cache, cos.reshape(t, -1), sin.reshape(t, -1),
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, prefill,
-            meta.num_prefill_tokens, self.heads, self.kv_heads, self.gate_up_features,
+            meta.num_prefill_tokens, self.heads, self.kv_heads, self.head_dim,
+            self.gate_up_features,
             self.eps, self.scale, self._tiles(x, meta), self.final_norm, self.quant_formats)

@@ -118,7 +118,8 @@ std::tuple<Tensor, Tensor> decoder_layers(
     Tensor x, at::TensorList weights, const Tensor& kv_cache, const Tensor& cos,
     const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
     const Tensor& decode_lens, at::TensorList prefill, int64_t prefill_rows, int64_t heads,
-    int64_t kv_heads, int64_t gate_up_features, double eps, double scale, bool attention_tiles,
+    int64_t kv_heads, int64_t dim, int64_t gate_up_features, double eps, double scale,
+    bool attention_tiles,
     const std::optional<Tensor>& final_norm, at::IntArrayRef quant_formats) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
               "kv_cache [layers, 2, blocks, block_size, Hkv, D (int8: D + 4)] expected");
@@ -132,10 +133,9 @@ std::tuple<Tensor, Tensor> decoder_layers(
   TORCH_CHECK(prefill_rows == 0 || prefill.size() == 3,
               "decoder_layers: prefill rows need [block tables, query lens, context lens]");
   const Kernels& k = kernels();
-  // An int8 cache's rows end in their 4-byte float32 scale (kv_quant.py); the kernels
+  // `dim` from the caller: an int8 cache's rows are wider (kv_quant.py), and the kernels
   // below read and write that layout themselves.
-  const int64_t scale_bytes = kv_cache.scalar_type() == at::kChar ? 4 : 0;
-  const int64_t rows = x.size(0), hidden = x.size(1), dim = kv_cache.size(-1) - scale_bytes;
+  const int64_t rows = x.size(0), hidden = x.size(1);
   const int64_t q_size = heads * dim, qkv_features = (heads + 2 * kv_heads) * dim;
   const Attention attention{decode_tables, decode_lens, prefill, prefill_rows, scale,
                             attention_tiles};
@@ -173,7 +173,8 @@ std::tuple<Tensor, Tensor> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor decode_tables, Tensor decode_lens, "
-        "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int gate_up_features, "
+        "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int head_dim, "
+        "int gate_up_features, "
         "float eps, float scale, bool attention_tiles, Tensor? final_norm=None, "
         "int[] quant_formats=[]) "
         "-> (Tensor, Tensor)");
