@@ -24,7 +24,9 @@ from stallfree.model import AttentionMetadata, allocate_kv_cache, kv_quant, load
 from stallfree.model.attention import GatherWorkspace
 from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
+from stallfree.model.config import ModelConfig
 from stallfree.model.layer_loop import LayerLoop
+from stallfree.model.layer_steps import Op, layer_steps, model_native_reason
 from stallfree.model.linear import pair_kernel_unavailable_reason
 from stallfree.model.parallel import Shard
 
@@ -140,6 +142,62 @@ def test_property_the_loop_over_an_int8_cache_equals_the_python_layers(model_dir
     assert torch.equal(kv, ref_kv)
 
 
+# Families whose layers add steps to Llama's, every one of which the loop runs: a bias on
+# q/k/v (qwen2); q/k norms (qwen3); norms on both outputs, a tanh-GELU MLP, soft-capped
+# scores and its own attention scale (gemma2, its window as long as any position).
+FAMILIES = {"qwen2": {}, "qwen3": {}, "gemma2": dict(sliding_window=1024, num_hidden_layers=2)}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    from tiny_models import save_tiny_model
+
+    return {kind: save_tiny_model(tmp_path_factory.mktemp(kind), kind, **{**SHAPE, **extra})
+            for kind, extra in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_f32_loop),
+                                   pytest.param(torch.bfloat16, marks=needs_loop)])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(2, 100)), max_size=2),
+       decodes=st.lists(st.integers(1, 300), max_size=4), seed=st.integers(0, 2**16))
+def test_property_the_loop_runs_other_families_layers_as_python_does(family_dirs, kind, dtype,
+                                                                     chunks, decodes, seed):
+    """The steps beyond Llama's (layer_steps.py) in the C++ loop: the same bits as the
+    Python layers, in the hidden states and the cache."""
+    if not chunks and not decodes:
+        decodes = [1]
+    seqs = _batch(chunks, decodes, seed)
+    hidden, kv = _forward(family_dirs[kind], seqs, seed, True, dtype)
+    ref_hidden, ref_kv = _forward(family_dirs[kind], seqs, seed, False, dtype)
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(kv, ref_kv)
+
+
+def test_a_layer_s_steps_follow_its_description_and_say_what_the_loop_lacks():
+    base = dict(architecture="test", vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    ops = [step.op for step in layer_steps(ModelConfig(**base), 0)]
+    assert ops == [Op.ADD_NORM, Op.MATMUL, Op.ATTEND, Op.MATMUL, Op.ADD_NORM, Op.GATED,
+                   Op.MATMUL]
+    gemma = ModelConfig(**base, qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh",
+                        attn_logit_softcap=5.0)
+    steps = layer_steps(gemma, 1)
+    assert [s.op for s in steps] == [Op.ADD_NORM, Op.MATMUL, Op.QK_NORM, Op.ATTEND, Op.MATMUL,
+                                     Op.NORM, Op.ADD_NORM, Op.GATED, Op.MATMUL, Op.NORM]
+    assert steps[3].softcap == 5.0 and steps[7].act == "gelu_tanh"
+    assert model_native_reason(gemma) is None
+    windowed = ModelConfig(**base, sliding_window=16, window_layers=[False, True],
+                           local_rope_theta=10000.0)
+    assert [s.window for s in layer_steps(windowed, 0) if s.op is Op.ATTEND] == [None]
+    assert [s.rope_table for s in layer_steps(windowed, 1) if s.op is Op.ATTEND] == [1]
+    assert model_native_reason(windowed) == "the test layers have a 16-token sliding window"
+    moe = ModelConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    assert Op.EXPERTS in [s.op for s in layer_steps(moe, 0)]
+    assert model_native_reason(moe).endswith("a mixture of experts (its routing runs in Python)")
+
+
 _LOADED: dict[tuple, tuple] = {}
 
 
@@ -186,11 +244,13 @@ def test_layers_it_cannot_run_say_why(model_dir):
         assert LayerLoop.build([layer], Shard(), table)[1] is None
         norm = copy.deepcopy(layer.input_layernorm)
         assert LayerLoop.build([layer], Shard(), table, norm)[0].final_norm is norm.weight
-        norm.eps *= 2  # a final norm the call would apply with the layers' eps: left out
+        norm.eps *= 2  # the final norm's step carries its own eps
+        assert LayerLoop.build([layer], Shard(), table, norm)[0].final_norm is norm.weight
+        norm.weight = torch.nn.Parameter(norm.weight.float())  # not the loop's dtype: left out
         assert LayerLoop.build([layer], Shard(), table, norm)[0].final_norm is None
-        qkv = layer.self_attn.qkv_proj
-        qkv.bias = torch.nn.Parameter(torch.zeros(qkv.out_features))
-        assert LayerLoop.build([layer], Shard(), table)[1] == "qkv_proj has a bias"
+        gate_up = layer.mlp.gate_up_proj
+        gate_up.bias = torch.nn.Parameter(torch.zeros(gate_up.out_features))
+        assert LayerLoop.build([layer], Shard(), table)[1] == "gate_up_proj has a bias"
 
 
 def _prepared(config, seqs, kernels=None):

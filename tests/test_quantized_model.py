@@ -194,7 +194,7 @@ def test_a_gate_not_in_whole_panels_runs_unfused(tmp_path):
     model, _ = load_model(path, torch.float32, "cpu", quantization="int8")
     loop_table = choose_kernels(dtype=torch.float32, quantized=True)  # one that runs the loop
     assert LayerLoop.build(model.model.layers, Shard(), loop_table)[1] == \
-        "gate/up is quantized with its up rows inside a panel of 8"
+        "gate_up_proj is quantized with its up rows inside a panel of 8"
     packed = model.model.layers[0].mlp.gate_up_proj.packed
     x = torch.randn(3, model.config.hidden_size)
     ours = gated_linear(x, None, packed, model.kernels)

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from ..executor.hardware import available_cores
     from ..model import kv_quant
     from ..model.kernel_table import Choice, KernelFacts, choose_kernels
+    from ..model.layer_steps import model_native_reason
 
     settings = (settings_from_args(EngineConfig, args) | settings_from_args(ParallelConfig, args)
                 | settings_from_args(CacheConfig, args))
@@ -101,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
                            device_type=device_type,
                            tp_size=config.parallel.tensor_parallel_size, head_dim=head_dim,
                            facts=facts, quantized=quantized)
-    if model is not None and not model.plain_llama_layers and table.layer_loop.kernel:
-        table = table.with_choice("layer_loop", Choice(
-            "python", f"the {model.architecture} layers have features beyond Llama's"))
+    native_reason = None if model is None else model_native_reason(model)
+    if native_reason is not None and table.layer_loop.kernel:
+        table = table.with_choice("layer_loop", Choice("python", native_reason))
     hardware = [("cpu", f"{_cpu_name()}, {available_cores()} cores for this process"),
                 *facts.lines(), ("huge pages", huge_pages.status())]
     engine = [("device", device), ("dtype", f"{dtype_name} ({why})"),

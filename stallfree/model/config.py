@@ -92,11 +92,6 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in (self.dense_layers or ())
 
-    @property
-    def plain_llama_layers(self) -> bool:
-        """Whether every layer is Llama's (what the native layer loop runs)."""
-        return not self.layer_features()
-
     def layer_features(self) -> list[str]:
         """What this model's layers add to Llama's, in words (`stallfree info`)."""
         windowed = sum(1 for i in range(self.num_hidden_layers) if self.layer_window(i))

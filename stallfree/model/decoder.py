@@ -40,7 +40,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.local_rotary = None
-        if any(layer.rope_table for layer in self.layers):
+        if any(step.rope_table for layer in self.layers for step in layer.steps):
             self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                                 config.local_rope_theta, None)
 
@@ -86,8 +86,7 @@ class CausalLM(nn.Module):
                 tables.append(self.model.local_rotary.lookup(positions, x.dtype))
             residual = None
             for i, layer in enumerate(self.model.layers):
-                x, residual = layer(x, residual, *tables[layer.rope_table], attn_metadata,
-                                    kv_cache[i])
+                x, residual = layer(x, residual, tables, attn_metadata, kv_cache[i])
         if residual is None:  # a stage without layers
             return x if self.model.norm is None else self.model.norm(x)
         if self.model.norm is None:  # the next stage gets the whole stream
@@ -160,7 +159,7 @@ class CausalLM(nn.Module):
                         "matrices kept", "+".join(layouts), held["packings"] / 1e6,
                         held["plain beside packings"] / 1e6)
         self.layer_loop, self.layer_loop_reason = LayerLoop.build(
-            self.model.layers, self.shard, kernels, self.model.norm, self.config)
+            self.model.layers, self.shard, kernels, self.model.norm)
         if self.layer_loop is None and kernels.layer_loop.kernel:  # the weights refused it
             kernels = kernels.with_choice("layer_loop", Choice("python", self.layer_loop_reason))
         self.kernels = kernels

@@ -3,6 +3,9 @@ q/k norms, a sliding window, soft-capped scores), a gated MLP or a mixture of ex
 RMSNorms before each (Gemma adds norms on both outputs)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +13,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .kernel_table import KernelTable
+from .layer_steps import Op, Step, layer_steps
 from .layers import RMSNorm, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear
 from .moe import SparseMoE
@@ -26,16 +30,13 @@ def local_heads(config: ModelConfig, shard: Shard) -> tuple[int, int]:
 class Attention(nn.Module):
     kernels: KernelTable | None = None  # the model's; set by CausalLM.prepack
 
-    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.shard = shard
         self.num_heads, self.num_kv_heads = local_heads(config, shard)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale or self.head_dim ** -0.5
-        self.window = config.layer_window(layer)
-        self.softcap = config.attn_logit_softcap
         # q, k, v fused into one matmul: rows are [q | k | v].
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.attention_bias)
@@ -45,12 +46,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
-            self._norm_heads(qkv)
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: AttentionMetadata, kv_cache: torch.Tensor, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """RoPE on q and k of qkv [T, (Hq + 2 Hkv) D], k and v into the cache; the
+        attention output [T, Hq D] (layer_steps.Op.ATTEND)."""
+        t = qkv.shape[0]
         cached = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
                                 self.num_kv_heads, self.kernels)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
@@ -59,12 +60,11 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, cached, window=self.window,
-                              softcap=self.softcap)
-        # Row-parallel: each rank holds a slice of the heads' contribution.
-        return self.shard.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, cached, window=window,
+                              softcap=softcap)
+        return out.reshape(t, self.q_size)
 
-    def _norm_heads(self, qkv: torch.Tensor) -> None:
+    def norm_heads(self, qkv: torch.Tensor) -> None:
         """RMSNorm over each q and each k head of qkv, in place (before RoPE)."""
         t, d, q_end = qkv.shape[0], self.head_dim, self.q_size + self.kv_size
         for norm, lo, hi in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, q_end)):
@@ -73,16 +73,12 @@ class Attention(nn.Module):
 
 
 class GeGLUMLP(SwiGLUMLP):
-    """Gemma's MLP: gelu_tanh(gate) * up. gate_up is packed as a plain matrix (the fused
-    kernels apply SiLU), and the activation runs in torch."""
+    """Gemma's MLP weights: gate_up packed as a plain matrix (the fused kernels apply SiLU);
+    its step applies gelu_tanh(gate) * up after the matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__(hidden_size, intermediate_size)
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 def build_mlp(config: ModelConfig, shard: Shard, layer: int) -> nn.Module:
@@ -96,39 +92,88 @@ def build_mlp(config: ModelConfig, shard: Shard, layer: int) -> nn.Module:
     return mlp(config.hidden_size, hi - lo)
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What a layer's steps read besides the stream: the forward's rotary tables (cos,
+    signed sin; layer_steps.Step.rope_table picks one), the batch and the layer's cache."""
+
+    tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    meta: AttentionMetadata
+    kv_cache: torch.Tensor
+    shard: Shard
+
+
+Stream = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _add_norm(norm: RMSNorm, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+              inputs: LayerInputs) -> Stream:
+    return (norm(h), h) if residual is None else norm.add_forward(h, residual)
+
+
+def _norm(norm: RMSNorm, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+          inputs: LayerInputs) -> Stream:
+    return norm(h), residual
+
+
+def _matmul(module: nn.Module, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+            inputs: LayerInputs) -> Stream:
+    h = module(h)  # a Linear (Op.MATMUL) or SparseMoE (Op.EXPERTS)
+    return (inputs.shard.all_reduce(h) if step.reduce else h), residual
+
+
+def _gated(module: Linear, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+           inputs: LayerInputs) -> Stream:
+    if step.act == "silu":  # a GatedLinear: SiLU fused where a kernel runs it
+        return module(h), residual
+    gate, up = module(h).chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up, residual
+
+
+def _qk_norm(attn: Attention, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+             inputs: LayerInputs) -> Stream:
+    attn.norm_heads(h)
+    return h, residual
+
+
+def _attend(attn: Attention, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
+            inputs: LayerInputs) -> Stream:
+    cos, sin = inputs.tables[step.rope_table]
+    return attn.attend(h, cos, sin, inputs.meta, inputs.kv_cache, step.window,
+                       step.softcap), residual
+
+
+# Each step's Python run: the reference the C++ loop's cases are held to.
+_RUN = {Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.MATMUL: _matmul, Op.GATED: _gated,
+        Op.QK_NORM: _qk_norm, Op.ATTEND: _attend, Op.EXPERTS: _matmul}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
         """`layer`: its global number (windows and MoE placement are per layer)."""
         super().__init__()
         self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, shard, layer)
-        # Before the MLP, whatever a checkpoint calls it (Gemma: pre_feedforward_layernorm).
+        self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, shard, layer)
         self.attn_output_norm = self.mlp_output_norm = None
         if config.sandwich_norms:
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Rotary table: 0 the model's, 1 the windowed layers' own base (Gemma 3).
-        self.rope_table = int(config.local_rope_theta is not None
-                              and config.layer_window(layer) is not None)
+        self.steps = layer_steps(config, layer)
+        # Each step with the submodule holding its weights, found once.
+        self.step_modules = tuple((step, self.get_submodule(step.module))
+                                  for step in self.steps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds
-        the two in the same pass, and the stream's values are the plain
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, tables: Sequence[
+                tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> Stream:
+        """(this layer's output, the residual stream before it): the next norm adds the
+        two in the same pass, and the stream's values are the plain
         x + attn(norm(x)) + mlp(norm(...)) of the reference."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, meta, kv_cache)
-        if self.attn_output_norm is not None:
-            h = self.attn_output_norm(h)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        h = self.shard.all_reduce(self.mlp(h))
-        if self.mlp_output_norm is not None:
-            h = self.mlp_output_norm(h)
+        inputs = LayerInputs(tables, meta, kv_cache, self.shard)
+        h = x
+        for step, module in self.step_modules:
+            h, residual = _RUN[step.op](module, step, h, residual, inputs)
         return h, residual

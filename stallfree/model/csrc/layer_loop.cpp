@@ -1,7 +1,7 @@
-// A model's decoder layers in one call (CPU): the kernels the Python layer loop calls
-// (fused_ops.cpp, amx_linear.cpp or f32_linear.cpp, rope_cache.cpp, paged_prefill.cpp,
-// paged_decode.cpp), in
-// the same order on the same tensors, so the results are the same bits; only the Python
+// A model's decoder layers in one call (CPU): the steps of stallfree/model/layer_steps.py,
+// each running the kernels its Python step calls (fused_ops.cpp, amx_linear.cpp,
+// f32_linear.cpp or quant_linear.cpp, rope_cache.cpp, paged_prefill.cpp, paged_decode.cpp)
+// in the same order on the same tensors, so the results are the same bits; only the Python
 // between them is gone. At a one-row decode step a layer's kernels read its weights in
 // ~0.2 ms, and the Python around its eight kernel calls (module calls, the checks choosing
 // each path, the dispatch from Python) cost ~0.07 ms more per layer (docs/benchmarks.md).
@@ -9,11 +9,13 @@
 // Python path, which stays the reference.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -66,12 +68,6 @@ const Kernels& kernels() {
   return found;
 }
 
-// Per layer, in this order: input norm weight, qkv (amx packing), o (amx), post-attention
-// norm weight, gate/up (amx_gated packing), down (amx); for float32, the f32 packings; any
-// of the four matmuls' may instead be quant rows (quant_linear.cpp), in any dtype.
-constexpr int64_t kWeightsPerLayer = 6;
-constexpr int64_t kMatmulsPerLayer = 4;  // qkv, o, gate/up, down: their quant formats' slots
-
 // x @ W.T from W's packing (gated: silu(gate) * up): quant rows of format `quant` (> 0), else
 // the matmul kernel of x's dtype.
 Tensor matmul(const Kernels& k, const Tensor& x, const Tensor& packed, int64_t n, bool gated,
@@ -83,101 +79,161 @@ Tensor matmul(const Kernels& k, const Tensor& x, const Tensor& packed, int64_t n
   return (gated ? k.gated : k.linear).call(x, packed, n, true);
 }
 
+// What the attention steps read besides the stream: the forward's, shared by the layers.
 struct Attention {
+  const Tensor& kv_cache;
+  const Tensor& cos;
+  const Tensor& sin;
+  const Tensor& slot_mapping;
   const Tensor& decode_tables;
   const Tensor& decode_lens;
   at::TensorList prefill;  // empty, or the chunks' block tables, query lens, context lens
   int64_t prefill_rows;
-  double scale;
+  int64_t heads;
+  int64_t kv_heads;
+  int64_t dim;
   bool tiles;
 };
 
 // Rows [0, prefill_rows) are prefill chunks, the rest one-token decodes, as paged_attention
 // (attention.py) splits them.
-Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Attention& a) {
+Tensor attend(const Kernels& k, const Tensor& q, const Tensor& cache, const Attention& a,
+              double scale, double softcap) {
   const int64_t rows = q.size(0), decodes = rows - a.prefill_rows;
   std::vector<Tensor> parts;
   if (a.prefill_rows > 0)
     parts.push_back(k.paged_prefill.call(q.narrow(0, 0, a.prefill_rows), cache, a.prefill[0],
-                                         a.prefill[1], a.prefill[2], a.scale, a.tiles,
-                                         /*window*/ 0, /*softcap*/ 0.0));
+                                         a.prefill[1], a.prefill[2], scale, a.tiles,
+                                         /*window*/ 0, softcap));
   if (decodes > 0)
     parts.push_back(k.paged_decode.call(q.narrow(0, a.prefill_rows, decodes), cache,
-                                        a.decode_tables, a.decode_lens, a.scale,
+                                        a.decode_tables, a.decode_lens, scale,
                                         /*split: automatic, paged_decode.AUTO_SPLIT*/ -1,
-                                        a.tiles, /*window*/ 0, /*softcap*/ 0.0));
+                                        a.tiles, /*window*/ 0, softcap));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
-// x [T, hidden] (bf16 or float32, as the packings) through every layer; returns (the last
-// layer's MLP output, the residual stream before it), as LlamaDecoderLayer.forward does, for
-// the final norm to add; with `final_norm`, (that norm of their sum, the sum), as the model's
-// forward ends. As there, x itself is the first layer's residual stream: the second layer's
-// norm adds into it, and the residual returned is x's storage.
+// stallfree/model/layer_steps.py's Op, lowered by layer_loop.py into records of
+// (op, first weight, quant format, features, flag) and two values.
+enum Op : int64_t { kAddNorm = 1, kNorm, kMatmul, kGated, kQKNorm, kAttend };
+constexpr int64_t kInts = 5, kFloats = 2;
+
+struct Step {
+  int64_t op, weight, quant, features, flag;
+  double value, value2;
+};
+
+// The stream between steps, as the Python layers keep it.
+struct Stream {
+  Tensor h, residual;
+};
+
+// An RMSNorm over each head of qkv's q and k columns, in place (before RoPE).
+void norm_heads(const Kernels& k, Tensor& qkv, const Tensor* w, const Step& s,
+                const Attention& a) {
+  const int64_t rows = qkv.size(0);
+  const int64_t spans[2][2] = {{0, a.heads * a.dim}, {a.heads * a.dim, a.kv_heads * a.dim}};
+  for (int i = 0; i < 2; ++i) {
+    Tensor part = qkv.narrow(1, spans[i][0], spans[i][1]);
+    const Tensor normed = k.rms_norm.call(part.reshape({-1, a.dim}).contiguous(), w[i],
+                                          i == 0 ? s.value : s.value2);
+    part.copy_(normed.view({rows, spans[i][1]}));
+  }
+}
+
+void run(const Kernels& k, const Step& s, const Tensor* w, Stream& st, const Attention& a) {
+  switch (s.op) {
+    case kAddNorm:
+      if (st.residual.defined()) {
+        st.h = k.add_rms_norm.call(st.h, st.residual, w[0], s.value);
+      } else {  // the model's first norm starts the residual stream
+        st.residual = st.h;
+        st.h = k.rms_norm.call(st.h, w[0], s.value);
+      }
+      return;
+    case kNorm:
+      st.h = k.rms_norm.call(st.h, w[0], s.value);
+      return;
+    case kMatmul:
+      st.h = matmul(k, st.h, w[0], s.features, false, s.quant);
+      if (s.flag) st.h = at::add(st.h, w[1]);  // the bias, added as linear.py adds it
+      return;
+    case kGated:
+      if (s.flag == 0) {  // SiLU, fused into the matmul
+        st.h = matmul(k, st.h, w[0], s.features, true, s.quant);
+      } else {  // tanh-GELU on the gate, as the Python step applies it
+        const std::vector<Tensor> halves =
+            matmul(k, st.h, w[0], s.features, false, s.quant).chunk(2, -1);
+        st.h = at::mul(at::gelu(halves[0], "tanh"), halves[1]);
+      }
+      return;
+    case kQKNorm:
+      norm_heads(k, st.h, w, s, a);
+      return;
+    case kAttend: {
+      Tensor cache = a.kv_cache.select(0, s.features);
+      const int64_t rows = st.h.size(0), q_size = a.heads * a.dim;
+      k.rope_cache.call(st.h, a.cos, a.sin, cache, a.slot_mapping, a.heads, a.kv_heads);
+      const Tensor q = st.h.narrow(1, 0, q_size).view({rows, a.heads, a.dim});
+      st.h = attend(k, q, cache, a, s.value, s.value2).reshape({rows, q_size});
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "decoder_layers: no step ", s.op);
+  }
+}
+
+// The weights a step reads, from its first.
+int64_t weights_read(const Step& s) {
+  if (s.op == kAttend) return 0;
+  return s.op == kQKNorm || (s.op == kMatmul && s.flag) ? 2 : 1;
+}
+
+// x [T, hidden] (bf16 or float32, as the packings) through the steps; returns (h, the
+// residual stream), as the Python layers leave them: after a layer, its output and the
+// stream before it, for the final norm to add; after the final norm's step, that norm of
+// their sum and the sum. As there, x itself starts the residual stream: the second norm
+// adds into it, and the residual returned is x's storage.
 std::tuple<Tensor, Tensor> decoder_layers(
-    Tensor x, at::TensorList weights, const Tensor& kv_cache, const Tensor& cos,
-    const Tensor& sin, const Tensor& slot_mapping, const Tensor& decode_tables,
-    const Tensor& decode_lens, at::TensorList prefill, int64_t prefill_rows, int64_t heads,
-    int64_t kv_heads, int64_t dim, int64_t gate_up_features, double eps, double scale,
-    bool attention_tiles,
-    const std::optional<Tensor>& final_norm, at::IntArrayRef quant_formats) {
+    Tensor x, at::TensorList weights, at::IntArrayRef steps, at::ArrayRef<double> values,
+    const Tensor& kv_cache, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
+    const Tensor& decode_tables, const Tensor& decode_lens, at::TensorList prefill,
+    int64_t prefill_rows, int64_t heads, int64_t kv_heads, int64_t dim,
+    bool attention_tiles) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
               "kv_cache [layers, 2, blocks, block_size, Hkv, D (int8: D + 4)] expected");
-  const int64_t layers = kv_cache.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
-              "decoder_layers: ", kWeightsPerLayer, " weights per layer expected for ", layers,
-              " layers, got ", weights.size());
-  TORCH_CHECK(quant_formats.empty() ||
-                  static_cast<int64_t>(quant_formats.size()) == layers * kMatmulsPerLayer,
-              "decoder_layers: ", kMatmulsPerLayer, " quant formats per layer expected");
+  const int64_t count = static_cast<int64_t>(steps.size()) / kInts;
+  TORCH_CHECK(static_cast<int64_t>(steps.size()) == count * kInts &&
+                  static_cast<int64_t>(values.size()) == count * kFloats,
+              "decoder_layers: ", kInts, " ints and ", kFloats, " floats per step expected");
   TORCH_CHECK(prefill_rows == 0 || prefill.size() == 3,
               "decoder_layers: prefill rows need [block tables, query lens, context lens]");
   const Kernels& k = kernels();
   // `dim` from the caller: an int8 cache's rows are wider (kv_quant.py), and the kernels
-  // below read and write that layout themselves.
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  const int64_t q_size = heads * dim, qkv_features = (heads + 2 * kv_heads) * dim;
-  const Attention attention{decode_tables, decode_lens, prefill, prefill_rows, scale,
-                            attention_tiles};
-  Tensor residual;  // the first layer's stream is x itself
-  for (int64_t i = 0; i < layers; ++i) {
-    const Tensor* w = weights.data() + i * kWeightsPerLayer;
-    int64_t quant[kMatmulsPerLayer] = {0, 0, 0, 0};
-    for (int64_t j = 0; j < kMatmulsPerLayer && !quant_formats.empty(); ++j)
-      quant[j] = quant_formats[i * kMatmulsPerLayer + j];
-    Tensor cache = kv_cache.select(0, i);
-    Tensor h;
-    if (residual.defined()) {
-      h = k.add_rms_norm.call(x, residual, w[0], eps);
-    } else {
-      h = k.rms_norm.call(x, w[0], eps);
-      residual = x;
-    }
-    Tensor qkv = matmul(k, h, w[1], qkv_features, false, quant[0]);
-    k.rope_cache.call(qkv, cos, sin, cache, slot_mapping, heads, kv_heads);
-    const Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, dim});
-    const Tensor o =
-        matmul(k, attend(k, q, cache, attention).reshape({rows, q_size}), w[2], hidden, false,
-               quant[1]);
-    h = k.add_rms_norm.call(o, residual, w[3], eps);
-    x = matmul(k, matmul(k, h, w[4], gate_up_features, true, quant[2]), w[5], hidden, false,
-               quant[3]);
+  // read and write that layout themselves.
+  const Attention attention{kv_cache,    cos,          sin,   slot_mapping,
+                            decode_tables, decode_lens, prefill, prefill_rows,
+                            heads,       kv_heads,     dim,   attention_tiles};
+  Stream stream{x, Tensor()};
+  const int64_t num_weights = static_cast<int64_t>(weights.size());
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* r = steps.data() + i * kInts;
+    const Step s{r[0], r[1], r[2], r[3], r[4], values[i * kFloats], values[i * kFloats + 1]};
+    TORCH_CHECK(s.weight >= 0 && s.weight + weights_read(s) <= num_weights &&
+                    (s.op != kAttend || (s.features >= 0 && s.features < kv_cache.size(0))),
+                "decoder_layers: step ", i, " reads past the weights or the cache's layers");
+    run(k, s, weights.data() + s.weight, stream, attention);
   }
-  if (final_norm.has_value() && residual.defined())
-    x = k.add_rms_norm.call(x, residual, *final_norm, eps);
-  return {x, residual};
+  return {stream.h, stream.residual};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
-  m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, "
-        "Tensor sin, Tensor slot_mapping, Tensor decode_tables, Tensor decode_lens, "
-        "Tensor[] prefill, int prefill_rows, int heads, int kv_heads, int head_dim, "
-        "int gate_up_features, "
-        "float eps, float scale, bool attention_tiles, Tensor? final_norm=None, "
-        "int[] quant_formats=[]) "
-        "-> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, int[] steps, float[] values, "
+        "Tensor(a!) kv_cache, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor decode_tables, Tensor decode_lens, Tensor[] prefill, int prefill_rows, "
+        "int heads, int kv_heads, int head_dim, bool attention_tiles) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
