@@ -109,9 +109,11 @@ class SchedulerConfig:
               "decode and adds prefill tokens only while its predicted time stays within "
               "tbt_slo x tbt_slo_margin; admission stops when the decode batch would not fit",
         parse=parse_seconds)
-    tbt_slo_margin: float = option(
-        0.8, "share of --tbt-slo an iteration's predicted time may fill: the rest absorbs "
-             "prediction error and the time between iterations", parse=float)
+    tbt_slo_margin: float | None = option(
+        None, "share of --tbt-slo an iteration's predicted time may fill, the rest absorbing "
+              "prediction error (default: learned, 1 / the 99th percentile of the recent "
+              "iterations' measured over predicted time, within [0.5, 0.95]; 0.8 until "
+              "100 iterations are seen)", parse=float)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -124,9 +126,11 @@ class SchedulerConfig:
             _check_positive_number(self, "tbt_slo", "number of seconds")
             if self.policy != "sarathi":
                 raise ValueError(f"tbt_slo needs the sarathi policy, not {self.policy!r}")
-        _check_positive_number(self, "tbt_slo_margin")
-        if self.tbt_slo_margin > 1:
-            raise ValueError(f"tbt_slo_margin must be in (0, 1], got {self.tbt_slo_margin!r}")
+        if self.tbt_slo_margin is not None:
+            _check_positive_number(self, "tbt_slo_margin")
+            if self.tbt_slo_margin > 1:
+                raise ValueError(f"tbt_slo_margin must be in (0, 1], got "
+                                 f"{self.tbt_slo_margin!r}")
         if self.max_model_len is not None:
             _check_positive_ints(self, "max_model_len")
 

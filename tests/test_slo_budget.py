@@ -22,8 +22,13 @@ from stallfree.config import (
 )
 from stallfree.request import RequestStatus
 from stallfree.scheduler import BlockManager, OnlineCost, make_scheduler
-from stallfree.scheduler.cost_fit import FEATURES, BatchFeatures, fit_least_squares
-from stallfree.scheduler.slo_sarathi import SloSarathiScheduler
+from stallfree.scheduler.cost_fit import (
+    FEATURES,
+    OVERRUN_MIN_SAMPLES,
+    BatchFeatures,
+    fit_least_squares,
+)
+from stallfree.scheduler.slo_sarathi import FIRST_MARGIN, MARGIN_BOUNDS, SloSarathiScheduler
 
 # fixed, per prefill token, per attention pair, per decode, per decode context token
 TRUE = (0.004, 2e-5, 3e-8, 3e-4, 2e-7)
@@ -107,9 +112,11 @@ def test_online_fit_follows_drift():
 
 # ---- the scheduler under an SLO -----------------------------------------------------
 def slo_scheduler(slo: float, cost: OnlineCost | None = None, max_num_seqs: int = 64,
-                  num_blocks: int = 4096, budget: int | None = None) -> SloSarathiScheduler:
+                  num_blocks: int = 4096, budget: int | None = None,
+                  margin: float | None = 0.8) -> SloSarathiScheduler:
+    """`margin`: None learns it from the cost model's overruns."""
     config = SchedulerConfig(policy="sarathi", token_budget=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=2048, tbt_slo=slo, tbt_slo_margin=0.8)
+                             max_model_len=2048, tbt_slo=slo, tbt_slo_margin=margin)
     sched = make_scheduler(config, BlockManager(num_blocks, 16, 0.0, enable_caching=False),
                            cost or OnlineCost(TRUE))
     assert isinstance(sched, SloSarathiScheduler)
@@ -181,6 +188,53 @@ def test_with_the_online_fit_in_the_loop():
 def test_random_arrivals(arrivals, slo, learn, seed):
     # 0.01 s x 0.8 is above the formula's one-token iteration (~4.3 ms): every request fits.
     run_checked(slo_scheduler(slo), arrivals, FakeExecutor(seed=seed), learn)
+
+
+def decode_batch(decodes: int = 8) -> BatchFeatures:
+    return BatchFeatures.of_chunks((300 + 17 * i, 1) for i in range(decodes))
+
+
+def test_the_overrun_tail_is_read_from_iterations_that_decoded():
+    cost = OnlineCost(TRUE, forget=1.0)
+    prefill = BatchFeatures.of_chunks([(0, 256)])
+    for _ in range(300):  # no decode in them: no token waited on these
+        cost.observe(prefill, 3 * cost.predict(prefill))
+    assert cost.overrun(0.99) is None
+    for i in range(OVERRUN_MIN_SAMPLES - 1):
+        cost.observe(decode_batch(), cost.predict(decode_batch()))
+    assert cost.overrun(0.99) is None  # too few yet
+    rng = random.Random(0)
+    for i in range(900):  # 3% of the iterations take 1.6x their prediction
+        f = decode_batch(rng.randint(1, 32))
+        cost.observe(f, cost.predict(f) * (1.6 if i % 33 == 0 else 1.0))
+    assert cost.overrun(0.99) == pytest.approx(1.6, rel=0.1)
+    assert cost.overrun(0.5) == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("noise, margin", [(0.001, MARGIN_BOUNDS[1]), (0.1, None)])
+def test_the_learned_margin_covers_the_overrun_tail(noise, margin):
+    """An SLO divided by the 99th percentile overrun: a precise model earns the upper
+    bound, a noisy one (sigma 10%: its 99th percentile near 1.23x) about 1 / 1.23."""
+    sched = slo_scheduler(0.05, OnlineCost(TRUE), margin=None)
+    fixed = slo_scheduler(0.05, OnlineCost(TRUE))
+    assert sched.margin == FIRST_MARGIN and sched.target == pytest.approx(0.05 * FIRST_MARGIN)
+    executor, rng = FakeExecutor(noise=noise, seed=2), random.Random(1)
+    for cost in (sched.cost, fixed.cost):
+        for _ in range(1000):
+            f = decode_batch(rng.randint(1, 32))
+            cost.observe(f, executor.time(f))
+    expected = margin or 1 / sched.cost.overrun(0.99)
+    assert sched.margin == pytest.approx(expected)
+    assert margin is not None or 0.75 < sched.margin < 0.87
+    assert sched.target == pytest.approx(0.05 * sched.margin)
+    assert fixed.margin == 0.8  # a margin that was set is kept
+
+
+def test_a_learned_margin_keeps_decodes_and_the_prediction_within_its_target():
+    arrivals = [(4 * i, 200 + 71 * i % 900, 120) for i in range(60)]
+    sched = slo_scheduler(0.05, margin=None)
+    run_checked(sched, arrivals, FakeExecutor(noise=0.1, seed=5), learn=True)
+    assert sched.margin != FIRST_MARGIN  # learned along the way
 
 
 def test_admission_stops_the_decode_batch_at_the_slo():

@@ -16,6 +16,7 @@ predicted time monotone in the tokens added (the budget search relies on it).
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,10 @@ FEATURES = ("fixed", "prefill_token", "prefill_attention", "decode", "decode_con
 # by these, so that no coefficient is 1e6 times another (which conditions P badly).
 _SCALES = (1.0, 256.0, 256.0 * 512.0, 16.0, 16.0 * 512.0)
 _N = len(FEATURES)
+# The overrun's tail (measured / predicted time) is read from this many recent iterations
+# that decoded, once at least OVERRUN_MIN_SAMPLES of them were seen, and re-read every
+# OVERRUN_REFRESH (a sort of the window: ~0.1 ms).
+OVERRUN_WINDOW, OVERRUN_MIN_SAMPLES, OVERRUN_REFRESH = 1000, 100, 25
 
 
 def attention_pairs(num_tokens: int, cached: int) -> float:
@@ -172,6 +177,10 @@ class OnlineCost:
     forget: float = 0.999
     prior_weight: float = 10.0
     num_observed: int = field(default=0, init=False)
+    _overruns: deque = field(default_factory=lambda: deque(maxlen=OVERRUN_WINDOW),
+                             init=False, repr=False)
+    _sorted_overruns: list[float] = field(default_factory=list, init=False, repr=False)
+    _unsorted: int = field(default=0, init=False, repr=False)  # overruns since the sort
 
     def __post_init__(self) -> None:
         if len(self.coefficients) != _N:
@@ -187,7 +196,12 @@ class OnlineCost:
         return sum(max(0.0, t) * v for t, v in zip(self._theta, _scaled(features.vector())))
 
     def observe(self, features: BatchFeatures, seconds: float) -> None:
-        """One measured iteration: the RLS update of the coefficients."""
+        """One measured iteration: the RLS update of the coefficients, and its overrun of
+        the prediction (for `overrun`) where it decoded."""
+        predicted = self.predict(features)
+        if features.decodes and predicted > 0:
+            self._overruns.append(seconds / predicted)
+            self._unsorted += 1
         x = _scaled(features.vector())
         px = [sum(self._p[i][j] * x[j] for j in range(_N)) for i in range(_N)]
         denom = self.forget + sum(x[i] * px[i] for i in range(_N))
@@ -201,6 +215,17 @@ class OnlineCost:
             self._p = [[v * _N * self._p0 / trace for v in row] for row in self._p]
         self.coefficients = tuple(t / s for t, s in zip(self._theta, _SCALES))
         self.num_observed += 1
+
+    def overrun(self, quantile: float) -> float | None:
+        """That quantile of measured / predicted time over the recent iterations that
+        decoded (the time between a request's tokens is such an iteration); None until
+        OVERRUN_MIN_SAMPLES were seen."""
+        if len(self._overruns) < OVERRUN_MIN_SAMPLES:
+            return None
+        if not self._sorted_overruns or self._unsorted >= OVERRUN_REFRESH:
+            self._sorted_overruns, self._unsorted = sorted(self._overruns), 0
+        ordered = self._sorted_overruns
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
     def describe(self) -> dict[str, float]:
         return dict(zip(FEATURES, self.coefficients)) | {
