@@ -151,7 +151,8 @@ class LLMEngine:
         cached = bm.prefix_cache_stats
         return EngineStats(self.scheduler.num_running,
                            self.scheduler.num_waiting + len(self.scheduler.unready), bm.usage,
-                           bm.num_free_blocks, bm.num_total_blocks, cached.queries, cached.hits)
+                           bm.num_free_blocks, bm.num_total_blocks, cached.queries, cached.hits,
+                           getattr(self.scheduler, "margin", None))
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached KV block (running requests keep theirs); returns how many

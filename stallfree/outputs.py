@@ -163,6 +163,9 @@ class EngineStats:
     # Prefix cache, cumulative tokens since the cache was made: needed at admissions, found.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Under --tbt-slo: the share of the SLO an iteration's prediction may fill now (learned
+    # from the cost model's overruns unless tbt_slo_margin fixed it); None without an SLO.
+    tbt_slo_margin: float | None = None
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,20 @@ def test_the_cost_model_starts_from_a_profile_folder(tmp_path):
     assert 0 < cost.predict(small) < cost.predict(large)
     with pytest.raises(ValueError, match="--tbt-slo"):
         slo_cost_seed(args, EngineConfig.from_kwargs(max_model_len=2048))
+
+
+def test_the_engine_reports_the_margin_it_learns(tiny_model):
+    from stallfree.scheduler.slo_sarathi import FIRST_MARGIN, MARGIN_BOUNDS, OVERRUN_QUANTILE
+
+    with LLM(tiny_model, **SETTINGS) as plain:
+        assert plain.engine.stats().tbt_slo_margin is None  # no SLO, no margin
+    with LLM(tiny_model, tbt_slo=5.0, tbt_slo_margin=0.7, **SETTINGS) as fixed:
+        assert fixed.engine.stats().tbt_slo_margin == 0.7
+    with LLM(tiny_model, tbt_slo=5.0, **SETTINGS) as llm:
+        assert llm.engine.stats().tbt_slo_margin == FIRST_MARGIN
+        params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        llm.generate([PROMPTS[0]], params)  # 120 iterations that decode
+        overrun = llm.engine.cost.overrun(OVERRUN_QUANTILE)
+        assert overrun is not None
+        low, high = MARGIN_BOUNDS
+        assert llm.engine.stats().tbt_slo_margin == min(high, max(low, 1 / overrun))

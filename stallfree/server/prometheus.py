@@ -76,6 +76,9 @@ class ServerMetrics:
         self.iteration_measured = histogram(
             "iteration_measured_seconds", "Measured time of each iteration under the TBT SLO, "
             "in seconds.", _ITL_BUCKETS)
+        self.slo_margin = gauge(
+            "tbt_slo_margin", "Share of the TBT SLO an iteration's predicted time may fill now "
+            "(learned from the iterations' overruns of their prediction unless set).")
         self.running = gauge("num_requests_running", "Sequences running in the engine.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
@@ -113,6 +116,8 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.kv_total_blocks.set(stats.num_total_blocks)
+        if stats.tbt_slo_margin is not None:
+            self.slo_margin.set(stats.tbt_slo_margin)
         # The engine counts since its cache was made (reconfigure restarts them).
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         seen_queries, seen_hits = self._prefix_seen
