@@ -27,7 +27,6 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
-import threading
 import time
 from typing import Any
 

@@ -22,9 +22,9 @@ from stallfree import LLM, SamplingParams
 from stallfree.kernel_ops import reference
 from stallfree.model import AttentionMetadata, allocate_kv_cache, kv_quant, load_model
 from stallfree.model.attention import GatherWorkspace
+from stallfree.model.config import ModelConfig
 from stallfree.model.kernel_table import choose_kernels
 from stallfree.model.kernels import unavailable_reason
-from stallfree.model.config import ModelConfig
 from stallfree.model.layer_loop import LayerLoop
 from stallfree.model.layer_steps import Op, layer_steps, model_native_reason
 from stallfree.model.linear import pair_kernel_unavailable_reason

@@ -200,7 +200,7 @@ def test_the_overrun_tail_is_read_from_iterations_that_decoded():
     for _ in range(300):  # no decode in them: no token waited on these
         cost.observe(prefill, 3 * cost.predict(prefill))
     assert cost.overrun(0.99) is None
-    for i in range(OVERRUN_MIN_SAMPLES - 1):
+    for _ in range(OVERRUN_MIN_SAMPLES - 1):
         cost.observe(decode_batch(), cost.predict(decode_batch()))
     assert cost.overrun(0.99) is None  # too few yet
     rng = random.Random(0)
