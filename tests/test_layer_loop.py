@@ -54,11 +54,12 @@ def model_dir(tmp_path_factory) -> str:
 PYTHON_LOOP = {"layer_loop": "python"}
 
 
-def _forward(path, seqs, seed: int, loop: bool, dtype=torch.bfloat16, cache_dtype=None):
+def _forward(path, seqs, seed: int, loop: bool, dtype=torch.bfloat16, cache_dtype=None,
+             quantization: str = "none"):
     """(hidden states, KV cache) of one forward over `seqs` [(cached, new, table)] with a
     random cache (of `cache_dtype`, the model's by default), by the model loaded with the
     C++ loop or without; asserts it was taken."""
-    model, config = _load(path, dtype, {} if loop else PYTHON_LOOP)
+    model, config = _load(path, dtype, {} if loop else PYTHON_LOOP, quantization)
     assert (model.layer_loop is not None) == loop
     gen = torch.Generator().manual_seed(seed)
     kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, cache_dtype or dtype, "cpu")
@@ -157,20 +158,23 @@ def family_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_f32_loop),
-                                   pytest.param(torch.bfloat16, marks=needs_loop)])
+@pytest.mark.parametrize("dtype, quantization", [
+    pytest.param(torch.float32, "none", marks=needs_f32_loop),
+    pytest.param(torch.bfloat16, "none", marks=needs_loop),
+    pytest.param(torch.float32, "int8", marks=needs_f32_loop)])  # quantized, with a bias
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(2, 100)), max_size=2),
        decodes=st.lists(st.integers(1, 300), max_size=4), seed=st.integers(0, 2**16))
-def test_property_the_loop_runs_other_families_layers_as_python_does(family_dirs, kind, dtype,
-                                                                     chunks, decodes, seed):
+def test_property_the_loop_runs_other_families_layers_as_python_does(
+        family_dirs, kind, dtype, quantization, chunks, decodes, seed):
     """The steps beyond Llama's (layer_steps.py) in the C++ loop: the same bits as the
     Python layers, in the hidden states and the cache."""
     if not chunks and not decodes:
         decodes = [1]
     seqs = _batch(chunks, decodes, seed)
-    hidden, kv = _forward(family_dirs[kind], seqs, seed, True, dtype)
-    ref_hidden, ref_kv = _forward(family_dirs[kind], seqs, seed, False, dtype)
+    hidden, kv = _forward(family_dirs[kind], seqs, seed, True, dtype, None, quantization)
+    ref_hidden, ref_kv = _forward(family_dirs[kind], seqs, seed, False, dtype, None,
+                                  quantization)
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(kv, ref_kv)
 
@@ -202,10 +206,11 @@ _LOADED: dict[tuple, tuple] = {}
 
 
 def _load(path: str | None, dtype: torch.dtype = torch.bfloat16,
-          kernels: dict[str, str] | None = None):
-    key = (path, dtype, tuple(sorted((kernels or {}).items())))
+          kernels: dict[str, str] | None = None, quantization: str = "none"):
+    key = (path, dtype, tuple(sorted((kernels or {}).items())), quantization)
     if key not in _LOADED:
-        _LOADED[key] = load_model(path, dtype, "cpu", kernels=kernels)
+        _LOADED[key] = load_model(path, dtype, "cpu", kernels=kernels,
+                                  quantization=quantization)
     return _LOADED[key]
 
 

@@ -13,7 +13,7 @@ from ..kernel_ops import check_kernels
 from . import kv_quant
 from .attention import AttentionMetadata
 from .config import ModelConfig
-from .decoder_layer import Attention, DecoderLayer, local_heads
+from .decoder_layer import Attention, DecoderLayer, LayerInputs, local_heads
 from .kernel_table import Choice, KernelTable, choose_kernels
 from .layer_loop import LayerLoop
 from .layers import RMSNorm, RotaryEmbedding
@@ -84,9 +84,9 @@ class CausalLM(nn.Module):
             tables = [(cos, sin)]
             if self.model.local_rotary is not None:
                 tables.append(self.model.local_rotary.lookup(positions, x.dtype))
-            residual = None
+            residual, inputs = None, LayerInputs(tables, attn_metadata, self.shard)
             for i, layer in enumerate(self.model.layers):
-                x, residual = layer(x, residual, tables, attn_metadata, kv_cache[i])
+                x, residual = layer(x, residual, inputs, kv_cache[i])
         if residual is None:  # a stage without layers
             return x if self.model.norm is None else self.model.norm(x)
         if self.model.norm is None:  # the next stage gets the whole stream

@@ -72,13 +72,15 @@ class Attention(nn.Module):
             qkv[:, lo:hi] = norm(heads.contiguous()).view(t, hi - lo)
 
 
-class GeGLUMLP(SwiGLUMLP):
-    """Gemma's MLP weights: gate_up packed as a plain matrix (the fused kernels apply SiLU);
-    its step applies gelu_tanh(gate) * up after the matmul."""
+class GeGLUMLP(nn.Module):
+    """Gemma's MLP weights, no forward of its own: gate_up is packed as a plain matrix (the
+    fused kernels apply SiLU), and its Op.GATED step applies gelu_tanh(gate) * up."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__(hidden_size, intermediate_size)
+        super().__init__()
+        self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
 
 def build_mlp(config: ModelConfig, shard: Shard, layer: int) -> nn.Module:
@@ -94,12 +96,12 @@ def build_mlp(config: ModelConfig, shard: Shard, layer: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class LayerInputs:
-    """What a layer's steps read besides the stream: the forward's rotary tables (cos,
-    signed sin; layer_steps.Step.rope_table picks one), the batch and the layer's cache."""
+    """What the layers' steps read besides the stream and their cache, one per forward:
+    the rotary tables (cos, signed sin; layer_steps.Step.rope_table picks one), the
+    batch, and the shard whose ranks the row-parallel steps sum over."""
 
     tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
-    kv_cache: torch.Tensor
     shard: Shard
 
 
@@ -107,23 +109,23 @@ Stream = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def _add_norm(norm: RMSNorm, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-              inputs: LayerInputs) -> Stream:
+              inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     return (norm(h), h) if residual is None else norm.add_forward(h, residual)
 
 
 def _norm(norm: RMSNorm, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-          inputs: LayerInputs) -> Stream:
+          inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     return norm(h), residual
 
 
 def _matmul(module: nn.Module, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-            inputs: LayerInputs) -> Stream:
+            inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     h = module(h)  # a Linear (Op.MATMUL) or SparseMoE (Op.EXPERTS)
     return (inputs.shard.all_reduce(h) if step.reduce else h), residual
 
 
 def _gated(module: Linear, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-           inputs: LayerInputs) -> Stream:
+           inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     if step.act == "silu":  # a GatedLinear: SiLU fused where a kernel runs it
         return module(h), residual
     gate, up = module(h).chunk(2, dim=-1)
@@ -131,15 +133,15 @@ def _gated(module: Linear, step: Step, h: torch.Tensor, residual: torch.Tensor |
 
 
 def _qk_norm(attn: Attention, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-             inputs: LayerInputs) -> Stream:
+             inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     attn.norm_heads(h)
     return h, residual
 
 
 def _attend(attn: Attention, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
-            inputs: LayerInputs) -> Stream:
+            inputs: LayerInputs, kv_cache: torch.Tensor) -> Stream:
     cos, sin = inputs.tables[step.rope_table]
-    return attn.attend(h, cos, sin, inputs.meta, inputs.kv_cache, step.window,
+    return attn.attend(h, cos, sin, inputs.meta, kv_cache, step.window,
                        step.softcap), residual
 
 
@@ -152,7 +154,6 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
         """`layer`: its global number (windows and MoE placement are per layer)."""
         super().__init__()
-        self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -166,14 +167,12 @@ class DecoderLayer(nn.Module):
         self.step_modules = tuple((step, self.get_submodule(step.module))
                                   for step in self.steps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, tables: Sequence[
-                tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inputs: LayerInputs,
                 kv_cache: torch.Tensor) -> Stream:
         """(this layer's output, the residual stream before it): the next norm adds the
         two in the same pass, and the stream's values are the plain
         x + attn(norm(x)) + mlp(norm(...)) of the reference."""
-        inputs = LayerInputs(tables, meta, kv_cache, self.shard)
         h = x
         for step, module in self.step_modules:
-            h, residual = _RUN[step.op](module, step, h, residual, inputs)
+            h, residual = _RUN[step.op](module, step, h, residual, inputs, kv_cache)
         return h, residual

@@ -40,6 +40,8 @@ class _Program:
     ints: list[int] = field(default_factory=list)
     floats: list[float] = field(default_factory=list)
     final_norm: torch.Tensor | None = None  # the model's final norm weight, if it is a step
+    # The records as tensors, made once (`seal`): lists would be converted on every call.
+    records: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, op: Op, weights: Sequence[torch.Tensor], quant: int = 0, features: int = 0,
             flag: int = 0, values: tuple[float, float] = (0.0, 0.0)) -> None:
@@ -52,6 +54,8 @@ class _Program:
         reason = native_reason(step)
         if reason is not None:
             return reason
+        if step.op is Op.ATTEND and step.rope_table:
+            return "attention with a rotary table of its own"
         if step.op in (Op.ADD_NORM, Op.NORM, Op.QK_NORM):
             norms = [module.q_norm, module.k_norm] if step.op is Op.QK_NORM else [module]
             if any(norm.weight.dtype != self.dtype for norm in norms):
@@ -66,6 +70,8 @@ class _Program:
             if reason is not None:
                 return reason
             packed, bias = module.packed, [] if module.bias is None else [module.bias]
+            if bias and bias[0].dtype != self.dtype:
+                return f"{step.module}'s bias is not in the model's dtype"
             self.add(step.op, [packed.data, *bias], 0 if packed.quant is None else
                      packed.quant.code, packed.shape[0], act if step.op is Op.GATED
                      else len(bias))
@@ -108,6 +114,8 @@ def _lower(layers: Sequence[nn.Module], shard: Shard, kernels: KernelTable,
         program.final_norm = final_norm.weight
     if not kernels.matmul_quant.kernel and any(program.ints[2::INTS_PER_STEP]):
         return "some matmuls are quantized and matmul_quant runs in torch"
+    program.records = (torch.tensor(program.ints, dtype=torch.int64),
+                       torch.tensor(program.floats, dtype=torch.float64))
     return program
 
 
@@ -180,7 +188,7 @@ class LayerLoop:
         prefill = ([meta.prefill_table, *meta.prefill_kernel_lens]
                    if meta.num_prefill_tokens else [])
         return torch.ops.stallfree.decoder_layers(
-            x, program.weights, program.ints, program.floats, kv_cache, cos.reshape(t, -1),
+            x, program.weights, *program.records, kv_cache, cos.reshape(t, -1),
             sin.reshape(t, -1), meta.slot_mapping, meta.decode_block_tables,
             meta.decode_context_lens, prefill, meta.num_prefill_tokens, self.heads,
             self.kv_heads, self.head_dim, self._tiles(x, meta))

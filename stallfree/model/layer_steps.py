@@ -5,8 +5,9 @@ it for csrc/layer_loop.cpp). A new layer feature is a step here, its Python run 
 its case in the C++ loop; a feature the C++ loop has no case for says so
 (`native_reason`), and such models take the Python layers.
 
-The stream between steps is (h, residual): a norm step adds h into the residual first
-(the layer's two skip connections), except at the model's first, which starts it.
+The stream between steps is (h, residual): an ADD_NORM step adds h into the residual first
+(the layer's two skip connections), except at the model's first, which starts it; a NORM
+step normalises h alone.
 """
 from __future__ import annotations
 

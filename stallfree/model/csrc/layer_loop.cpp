@@ -35,7 +35,7 @@ using F32LinearSig = Tensor(const Tensor&, const Tensor&, int64_t);
 using QuantLinearSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
 using RopeSig = void(Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&, int64_t,
                      int64_t);
-// The attention kernels' trailing (window, softcap): this loop runs neither (0, 0.0).
+// The attention kernels' trailing (window, softcap): this loop runs no window (0).
 using PrefillSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                           const Tensor&, double, bool, int64_t, double);
 using DecodeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
@@ -195,16 +195,19 @@ int64_t weights_read(const Step& s) {
 // their sum and the sum. As there, x itself starts the residual stream: the second norm
 // adds into it, and the residual returned is x's storage.
 std::tuple<Tensor, Tensor> decoder_layers(
-    Tensor x, at::TensorList weights, at::IntArrayRef steps, at::ArrayRef<double> values,
+    Tensor x, at::TensorList weights, const Tensor& steps, const Tensor& values,
     const Tensor& kv_cache, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
     const Tensor& decode_tables, const Tensor& decode_lens, at::TensorList prefill,
     int64_t prefill_rows, int64_t heads, int64_t kv_heads, int64_t dim,
     bool attention_tiles) {
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 6, "decoder_layers: x [T, hidden] and "
               "kv_cache [layers, 2, blocks, block_size, Hkv, D (int8: D + 4)] expected");
-  const int64_t count = static_cast<int64_t>(steps.size()) / kInts;
-  TORCH_CHECK(static_cast<int64_t>(steps.size()) == count * kInts &&
-                  static_cast<int64_t>(values.size()) == count * kFloats,
+  TORCH_CHECK(steps.scalar_type() == at::kLong && values.scalar_type() == at::kDouble &&
+                  steps.dim() == 1 && values.dim() == 1 && steps.is_contiguous() &&
+                  values.is_contiguous(),
+              "decoder_layers: steps (int64) and values (float64) as contiguous vectors");
+  const int64_t count = steps.numel() / kInts;
+  TORCH_CHECK(steps.numel() == count * kInts && values.numel() == count * kFloats,
               "decoder_layers: ", kInts, " ints and ", kFloats, " floats per step expected");
   TORCH_CHECK(prefill_rows == 0 || prefill.size() == 3,
               "decoder_layers: prefill rows need [block tables, query lens, context lens]");
@@ -216,9 +219,11 @@ std::tuple<Tensor, Tensor> decoder_layers(
                             heads,       kv_heads,     dim,   attention_tiles};
   Stream stream{x, Tensor()};
   const int64_t num_weights = static_cast<int64_t>(weights.size());
+  const int64_t* ints = steps.data_ptr<int64_t>();
+  const double* floats = values.data_ptr<double>();
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t* r = steps.data() + i * kInts;
-    const Step s{r[0], r[1], r[2], r[3], r[4], values[i * kFloats], values[i * kFloats + 1]};
+    const int64_t* r = ints + i * kInts;
+    const Step s{r[0], r[1], r[2], r[3], r[4], floats[i * kFloats], floats[i * kFloats + 1]};
     TORCH_CHECK(s.weight >= 0 && s.weight + weights_read(s) <= num_weights &&
                     (s.op != kAttend || (s.features >= 0 && s.features < kv_cache.size(0))),
                 "decoder_layers: step ", i, " reads past the weights or the cache's layers");
@@ -230,7 +235,7 @@ std::tuple<Tensor, Tensor> decoder_layers(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
-  m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, int[] steps, float[] values, "
+  m.def("decoder_layers(Tensor(b!) x, Tensor[] weights, Tensor steps, Tensor values, "
         "Tensor(a!) kv_cache, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor decode_tables, Tensor decode_lens, Tensor[] prefill, int prefill_rows, "
         "int heads, int kv_heads, int head_dim, bool attention_tiles) -> (Tensor, Tensor)");
