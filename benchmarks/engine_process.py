@@ -1,7 +1,7 @@
 """The engine core in a thread or in its own process, with the server's per-output work.
 
 Run: .venv/bin/python benchmarks/engine_process.py [--streams 1,32] [--tokens 64]
-[--rounds 3] [--dtype auto]
+[--rounds 3] [--dtype auto] [--neighbour]
 
 The server steps the engine on a thread of its own and hands each step's outputs to the
 asyncio loop on the main thread, which turns every output into an SSE chunk; the two
@@ -12,7 +12,9 @@ an asyncio loop does the per-output work (an OpenAI completion chunk as JSON, wr
 a socket that a client process drains), with the engine
 
 - on a thread, outputs handed over by call_soon_threadsafe (the server's arrangement);
-- in a child process, each step's outputs pickled over a pipe the loop reads.
+- in a child process, each step's outputs pickled over a pipe the loop reads;
+- with --neighbour, also on a thread beside a Python thread that never blocks (what a busy
+  event loop would be): the GIL the engine thread waits for after each kernel call.
 
 Both run with the same compute threads on the same cores, rounds alternated. Prints per
 arrangement and stream count: the batch's output tokens per second and the median gap
@@ -27,6 +29,7 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -98,25 +101,39 @@ class Consumer:
             self.last[rid], self.tokens = now, self.tokens + 1
 
 
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
+
+
 async def _round(arrangement: str, worker: Any, streams: int, tokens: int, round_: int,
                  sock: socket.socket) -> tuple[float, float]:
     loop = asyncio.get_running_loop()
     consumer = Consumer(sock)
+    stop = threading.Event()
+    if arrangement == "neighbour":
+        threading.Thread(target=_spin, args=(stop,), daemon=True).start()
     start = time.perf_counter()
-    if arrangement == "thread":
+    if arrangement in ("thread", "neighbour"):
         engine, thread = worker
         thread.submit(_add, engine, streams, tokens, round_).result()
-        thread.submit(_run_steps, engine,
-                      lambda out: loop.call_soon_threadsafe(consumer.take, out))
+        steps = thread.submit(_run_steps, engine,
+                              lambda out: loop.call_soon_threadsafe(consumer.take, out))
+        # A failed step ends the round with its error instead of a wait for ever.
+        steps.add_done_callback(lambda f: f.exception() and loop.call_soon_threadsafe(
+            consumer.done.set_exception, f.exception()))
     else:
         conn = worker
         conn.send((streams, tokens, round_))
         loop.add_reader(conn.fileno(), lambda: consumer.take(conn.recv()))
-    await consumer.done
+    try:
+        await consumer.done
+    finally:
+        stop.set()
     elapsed = time.perf_counter() - start
     if arrangement == "process":
         loop.remove_reader(worker.fileno())
-    return consumer.tokens / elapsed, statistics.median(consumer.gaps) * 1e3
+    return consumer.tokens / elapsed, statistics.median(consumer.gaps or [0.0]) * 1e3
 
 
 def main() -> int:
@@ -125,6 +142,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="also the engine thread beside a spinning Python thread")
     args = parser.parse_args()
     import torch
 
@@ -140,12 +159,13 @@ def main() -> int:
     server_end, client_end = socket.socketpair()
     client = mp.get_context("spawn").Process(target=_drain, args=(client_end,))
     client.start()
-    workers = {"thread": (engine, thread), "process": parent}
+    workers = {"thread": (engine, thread), "process": parent, "neighbour": (engine, thread)}
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     print(f"CPU flags: {vector_flags()}; {threads} compute threads")
     for streams in map(int, args.streams.split(",")):
         for r in range(args.rounds + 1):  # round 0 warms both up
             order = ["thread", "process"] if r % 2 else ["process", "thread"]
+            order += ["neighbour"] if args.neighbour else []
             for name in order:
                 got = asyncio.run(_round(name, workers[name], streams, args.tokens,
                                          r, server_end))

@@ -107,13 +107,14 @@ class SchedulerConfig:
     tbt_slo: float | None = option(
         None, "time-between-tokens target in seconds (sarathi only): each iteration keeps every "
               "decode and adds prefill tokens only while its predicted time stays within "
-              "tbt_slo x tbt_slo_margin; admission stops when the decode batch would not fit",
+              "tbt_slo x the margin; admission stops when the decode batch would not fit",
         parse=parse_seconds)
     tbt_slo_margin: float | None = option(
         None, "share of --tbt-slo an iteration's predicted time may fill, the rest absorbing "
               "prediction error (default: learned, 1 / the 99th percentile of the recent "
               "iterations' measured over predicted time, within [0.5, 0.95]; 0.8 until "
-              "100 iterations are seen)", parse=float)
+              "100 iterations are seen, and under pipeline parallelism, where iterations "
+              "overlap and are not measured one by one)", parse=float)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -82,6 +82,7 @@ class SloSarathiScheduler(SarathiScheduler):
         super().__init__(config, block_manager)
         assert config.tbt_slo is not None
         self.cost = cost
+        self._margin = self.margin  # this iteration's (schedule)
         self._iteration_target = self.target
         # An SLO no iteration can meet would stall every request: refuse it up front.
         self._check_slo(config.tbt_slo)
@@ -99,31 +100,31 @@ class SloSarathiScheduler(SarathiScheduler):
 
     @property
     def target(self) -> float:
-        """The engine's own SLO times the margin."""
-        return self.config.tbt_slo * self.margin
+        """The engine's own SLO times this iteration's margin."""
+        return self.config.tbt_slo * self._margin
 
     def _check_slo(self, tbt_slo: float | None) -> None:
         if tbt_slo is None:
             return
         one_token = self.cost.predict(BatchFeatures().with_chunk(0, 1))
-        margin = self.margin
+        # A learned margin moves: an SLO is reachable only if it stays so at its lowest,
+        # else a request accepted now could later hold every iteration to itself alone.
+        margin = self.config.tbt_slo_margin or MARGIN_BOUNDS[0]
         if one_token > tbt_slo * margin:
             raise ValueError(
                 f"tbt_slo={tbt_slo} s is unreachable: an iteration of one token is "
-                f"predicted to take {one_token:.4g} s, more than tbt_slo x its margin "
-                f"({margin:.3g}) = {tbt_slo * margin:.4g} s")
+                f"predicted to take {one_token:.4g} s, more than tbt_slo x the lowest margin "
+                f"({margin:g}) = {tbt_slo * margin:.4g} s")
 
-    def _target_of(self, request: Request, margin: float) -> float:
+    def _target_of(self, request: Request) -> float:
         own = request.sampling_params.tbt_slo
-        target = self.config.tbt_slo * margin
-        return target if own is None else min(target, own * margin)
+        return self.target if own is None else min(self.target, own * self._margin)
 
     def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
+        self._margin = self.margin
         # The tightest SLO among the requests that decode in this iteration.
-        margin = self.margin
-        self._iteration_target = min((self._target_of(r, margin) for r in self.running
-                                      if not r.is_prefill),
-                                     default=self.config.tbt_slo * margin)
+        self._iteration_target = min((self._target_of(r) for r in self.running
+                                      if not r.is_prefill), default=self.target)
         out = super().schedule(now, busy)
         decodes = BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks
                                           if not c.is_prefill)
@@ -154,4 +155,4 @@ class SloSarathiScheduler(SarathiScheduler):
                                + request.num_tokens)
         # The batch it joins keeps to its own SLO too, from its first decode on.
         return self.cost.predict(joined) <= min(self._iteration_target,
-                                                self._target_of(request, self.margin))
+                                                self._target_of(request))
