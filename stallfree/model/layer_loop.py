@@ -26,8 +26,8 @@ from .layer_steps import NATIVE_ACTIVATIONS, Op, Step, native_reason
 from .parallel import Shard
 
 # csrc/layer_loop.cpp's record of a step: ints (op, first weight, quant format, features,
-# flag) and floats (two values: a norm's eps; the attention's scale and softcap).
-INTS_PER_STEP, FLOATS_PER_STEP = 5, 2
+# flag) and two floats (a norm's eps; the attention's scale and softcap).
+INTS_PER_STEP = 5
 
 
 @dataclass
@@ -40,7 +40,7 @@ class _Program:
     ints: list[int] = field(default_factory=list)
     floats: list[float] = field(default_factory=list)
     final_norm: torch.Tensor | None = None  # the model's final norm weight, if it is a step
-    # The records as tensors, made once (`seal`): lists would be converted on every call.
+    # The records as tensors, made once by `_lower`: lists would be converted on every call.
     records: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, op: Op, weights: Sequence[torch.Tensor], quant: int = 0, features: int = 0,
@@ -54,8 +54,6 @@ class _Program:
         reason = native_reason(step)
         if reason is not None:
             return reason
-        if step.op is Op.ATTEND and step.rope_table:
-            return "attention with a rotary table of its own"
         if step.op in (Op.ADD_NORM, Op.NORM, Op.QK_NORM):
             norms = [module.q_norm, module.k_norm] if step.op is Op.QK_NORM else [module]
             if any(norm.weight.dtype != self.dtype for norm in norms):

@@ -74,6 +74,8 @@ def native_reason(step: Step) -> str | None:
         return "a mixture of experts (its routing runs in Python)"
     if step.op is Op.ATTEND and step.window is not None:
         return f"a {step.window}-token sliding window"
+    if step.op is Op.ATTEND and step.rope_table:
+        return "attention with a rotary table of its own"
     if step.op is Op.GATED and step.act not in NATIVE_ACTIVATIONS:
         return f"the {step.act} activation"
     return None
