@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
@@ -16,7 +15,7 @@ from .kernel_table import KernelTable
 from .layer_steps import Op, Step, layer_steps
 from .layers import RMSNorm, SwiGLUMLP, apply_rope, rope_and_cache
 from .linear import Linear
-from .moe import SparseMoE
+from .moe import ACTIVATIONS, SparseMoE
 from .parallel import Shard
 
 
@@ -129,7 +128,7 @@ def _gated(module: Linear, step: Step, h: torch.Tensor, residual: torch.Tensor |
     if step.act == "silu":  # a GatedLinear: SiLU fused where a kernel runs it
         return module(h), residual
     gate, up = module(h).chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up, residual
+    return ACTIVATIONS[step.act](gate) * up, residual
 
 
 def _qk_norm(attn: Attention, step: Step, h: torch.Tensor, residual: torch.Tensor | None,
