@@ -16,7 +16,7 @@ from typing import TextIO
 from .outputs import IterationRecord
 
 _SKIPPED = ("request_ids",)  # long and private; the shape of the batch is what matters
-_IF_SET = ("token_budget", "predicted_time")  # only under a TBT SLO
+_IF_SET = ("token_budget", "predicted_time", "target_time")  # only under a TBT SLO
 
 
 class IterationLog:

@@ -131,11 +131,13 @@ class IterationRecord:
     # model in-process and one intra-op thread, the iteration's compute without the time
     # other processes took from the core.
     cpu_time: float = 0.0
-    # Under a TBT SLO: the token budget the SLO gave this iteration and its predicted
-    # seconds (to compare with end - start). None under a fixed budget, and then left
+    # Under a TBT SLO: the token budget the SLO gave this iteration, its predicted
+    # seconds (to compare with end - start) and the seconds it was held to (the tightest
+    # SLO x the margin then, learned or fixed). None under a fixed budget, and then left
     # out of the iteration log.
     token_budget: int | None = None
     predicted_time: float | None = None
+    target_time: float | None = None
 
 
 @dataclass

@@ -146,7 +146,8 @@ def test_plot_of_an_iteration_log_under_a_tbt_slo(tmp_path):
                                       num_decode_tokens=2, num_seqs=2, num_preempted=0,
                                       decode_contexts=(5, 9), num_sampled=2,
                                       token_budget=budget,
-                                      predicted_time=None if budget is None else 0.04))
+                                      predicted_time=None if budget is None else 0.04,
+                                      target_time=None if budget is None else 0.16 - i / 100))
         log.close()
 
     write(tmp_path / "slo.jsonl", [64, 80, 96])

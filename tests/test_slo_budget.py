@@ -147,6 +147,7 @@ def run_checked(sched: SloSarathiScheduler, arrivals: list[tuple[int, int, int]]
         decodes = features_of(c for c in out.chunks if not c.is_prefill)
         predicted = sched.cost.predict(features_of(out.chunks))
         assert out.predicted_time == pytest.approx(predicted)
+        assert out.target_time == sched.target  # one SLO for all: its margin's share
         if sched.cost.predict(decodes) <= sched.target and decodes.decodes:
             assert predicted <= sched.target + 1e-12, "the iteration's prediction overruns"
         if partial and sched.cost.predict(

@@ -79,10 +79,12 @@ class SchedulerOutput:
     # Set by the engine after scheduling; opaque to the scheduler.
     token_bitmask: Any = None
     bitmask_rows: dict[str, int] = field(default_factory=dict)
-    # Under a TBT SLO (slo_sarathi.py): the token budget this iteration was given, and
-    # its predicted time in seconds. None under a fixed budget.
+    # Under a TBT SLO (slo_sarathi.py): the token budget this iteration was given, its
+    # predicted time and the time it was held to (SLO x margin), in seconds. None under a
+    # fixed budget.
     token_budget: int | None = None
     predicted_time: float | None = None
+    target_time: float | None = None
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = sum(c.num_tokens for c in self.chunks if c.is_prefill)
@@ -107,4 +109,5 @@ class SchedulerOutput:
                                prefill_chunks=prefills, decode_contexts=decodes,
                                num_sampled=sum(c.samples for c in self.chunks),
                                token_budget=self.token_budget,
-                               predicted_time=self.predicted_time)
+                               predicted_time=self.predicted_time,
+                               target_time=self.target_time)

@@ -135,6 +135,7 @@ class SloSarathiScheduler(SarathiScheduler):
             self._iteration_target)
         out.predicted_time = self.cost.predict(
             BatchFeatures.of_chunks((c.start, c.num_tokens) for c in out.chunks))
+        out.target_time = self._iteration_target
         return out
 
     def _chunk_size(self, batch: Batch, start: int, wanted: int) -> int:
