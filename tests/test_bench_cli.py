@@ -157,3 +157,11 @@ def test_plot_of_an_iteration_log_under_a_tbt_slo(tmp_path):
     write(tmp_path / "fixed.jsonl", [None, None])
     with pytest.raises(ValueError, match="no iteration has a token budget"):
         plot_budget(str(tmp_path / "fixed.jsonl"), str(pngs / "x.png"))
+
+
+def test_capacity_bar_labels_say_which_bound_a_search_found():
+    from stallfree.bench.plot import capacity_label
+
+    assert capacity_label({"capacity_qps": 0.5063, "upper_qps": 0.5906}) == "0.51"
+    assert capacity_label({"capacity_qps": 2.0, "upper_qps": None}) == ">=2.00"  # never failed
+    assert capacity_label({"capacity_qps": 0.0, "upper_qps": 0.1875}) == "<0.19"  # never passed

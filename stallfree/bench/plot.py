@@ -124,21 +124,30 @@ def plot_vs_rate(capacity: list[Report], path: str) -> None:
     plt.close(fig)
 
 
+def capacity_label(search: dict[str, Any]) -> str:
+    """A search's capacity as its bar says it: ">=" where it never failed (it passed at its
+    max_rate or stopped early), "<" where it never passed (failed down to its lowest rate)."""
+    capacity, upper = search["capacity_qps"], search.get("upper_qps")
+    if upper is None:
+        return f">={capacity:.2f}"
+    if capacity <= 0:
+        return f"<{upper:.2f}"
+    return f"{capacity:.2f}"
+
+
 def plot_capacity_bars(capacity: list[Report], path: str) -> None:
     plt = _plt()
     searches = _searches(capacity)
     slos = sorted({slo for _, slo, _ in searches})
     labels = list(dict.fromkeys(label for label, _, _ in searches))
     values = {(slo, label): res["capacity_qps"] for label, slo, res in searches}
-    bounded = {(slo, label): res.get("upper_qps") is not None for label, slo, res in searches}
+    texts = {(slo, label): capacity_label(res) for label, slo, res in searches}
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(slos)), 4.5))
     width = 0.8 / max(1, len(labels))
     for j, label in enumerate(labels):
         xs = np.arange(len(slos)) + j * width
         bars = ax.bar(xs, [values.get((slo, label), 0.0) for slo in slos], width, label=label)
-        # ">=": the search passed at its max_rate (or stopped early), so only a lower bound.
-        ax.bar_label(bars, [("" if bounded.get((slo, label), True) else ">=")
-                            + f"{values.get((slo, label), 0.0):.2f}" for slo in slos], fontsize=7)
+        ax.bar_label(bars, [texts.get((slo, label), "") for slo in slos], fontsize=7)
     ax.set_xticks(np.arange(len(slos)) + width * (len(labels) - 1) / 2)
     ax.set_xticklabels([f"P99 TBT <= {s * 1000:g} ms" for s in slos])
     ax.set_ylabel("capacity (req/s)")
