@@ -213,3 +213,24 @@ def test_engine_prefills_run_in_the_kernel_and_decode_alike(fixture, request, mo
     with engine_kernels(llm, {"prefill_attention": "torch"}):
         reference = [o.token_ids for o in llm.generate(prompts, params)]
     assert fast == reference
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_kernel, id="bf16"),
+                                   pytest.param(torch.float32, marks=needs_f32_kernel,
+                                                id="float32")])
+def test_prefill_kernel_gives_the_same_bits_at_any_thread_count(dtype):
+    """Each work item (a tile of one head's queries) runs whole on one thread, so a prefill's
+    output must not change with the thread count (decode attention, which cuts a long
+    context into parts per thread, is the path whose bits may)."""
+    batch = Batch((9, 3, 64), dtype, block_size=16, num_blocks=200, seed=5)
+    seqs = _chunks(batch, [(100, 150), (0, 64), (0, 230)])
+    qkv = batch.qkv(sum(n for _, n, _ in seqs))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(batch.attend(seqs, True, qkv))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
