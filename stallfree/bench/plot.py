@@ -217,14 +217,10 @@ def plot_budget(path: str, out: str, tbt_slo_ms: float | None = None) -> None:
     if slo:
         bottom.axhline(slo, color="red", ls="--", lw=1, label=f"SLO {slo:.0f} ms")
     # Each iteration's target (SLO x margin): it moves with a learned margin and with
-    # requests' own SLOs. Logs from before it was recorded give a fixed margin at most.
+    # requests' own SLOs (logs from before it was recorded have none).
     if all(r.target_time is not None for r in records):
         bottom.plot(times, [1e3 * r.target_time for r in records], color="orange", ls=":",
                     lw=1, label="target")
-    elif slo and settings.get("tbt_slo_margin"):
-        margin = settings["tbt_slo_margin"]
-        bottom.axhline(slo * margin, color="orange", ls=":", lw=1,
-                       label=f"target (x {margin:g})")
     bottom.set_ylabel("iteration period (ms)")
     bottom.set_xlabel("seconds since the first iteration")
     bottom.legend(loc="upper right")
